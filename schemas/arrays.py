@@ -1,0 +1,126 @@
+"""Compact arrays inside events.
+
+Token ids, log-probs and embedding vectors are the bulk of a trajectory. In Python they are plain tuples (immutable,
+comparable, hashable, so frozen events stay frozen); on the wire they are base64 strings of little-endian machine
+arrays, which is 3-6x smaller than a JSON list and decodes with one `numpy.frombuffer`:
+
+| type           | Python value          | wire format                          |
+|----------------|-----------------------|--------------------------------------|
+| `TokenIds`     | `tuple[int, ...]`     | base64 of int32 (`<i4`)              |
+| `LogProbs`     | `tuple[float, ...]`   | base64 of float32 (`<f4`)            |
+| `Float16s`     | `tuple[float, ...]`   | base64 of float16 (`<f2`)            |
+
+Values are quantised to the wire dtype when an event is built, so `decode(encode(event)) == event` holds exactly.
+NaN and infinity are rejected everywhere: a NaN log-prob poisons a whole training step.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, model_validator
+
+_BASE64_STRING = {"type": "string", "contentEncoding": "base64"}
+
+
+def _from_base64(text: str, dtype: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"not valid base64: {exc}") from exc
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise ValueError(f"{len(raw)} bytes is not a whole number of {dtype} items")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _to_base64(values: tuple, dtype: str) -> str:
+    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        array = _from_base64(value, "<i4")
+    else:
+        array = np.asarray(value)
+        if array.size == 0:
+            return ()
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError("token ids must be a flat sequence of integers")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must lie in [0, 2**31)")
+    return tuple(array.tolist())
+
+
+def _floats(value: Any, dtype: str) -> tuple[float, ...]:
+    if isinstance(value, str):
+        array = _from_base64(value, dtype).astype(np.float64)
+    else:
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError("expected a flat sequence of numbers") from exc
+        if array.ndim != 1:
+            raise ValueError("expected a flat sequence of numbers")
+    if not np.all(np.isfinite(array)):
+        raise ValueError("NaN or infinite values are not allowed")
+    quantised = array.astype(dtype)
+    if not np.all(np.isfinite(quantised)):
+        raise ValueError(f"values overflow {dtype}")
+    return tuple(quantised.astype(np.float64).tolist())
+
+
+TokenIds = Annotated[
+    tuple[int, ...],
+    PlainValidator(_token_ids),
+    PlainSerializer(lambda v: _to_base64(v, "<i4"), return_type=str, when_used="json"),
+    WithJsonSchema(_BASE64_STRING),
+]
+"""Token ids (int32 on the wire)."""
+
+LogProbs = Annotated[
+    tuple[float, ...],
+    PlainValidator(lambda v: _floats(v, "<f4")),
+    PlainSerializer(lambda v: _to_base64(v, "<f4"), return_type=str, when_used="json"),
+    WithJsonSchema(_BASE64_STRING),
+]
+"""Per-token log-probabilities (float32 on the wire, finite)."""
+
+Float16s = Annotated[
+    tuple[float, ...],
+    PlainValidator(lambda v: _floats(v, "<f2")),
+    PlainSerializer(lambda v: _to_base64(v, "<f2"), return_type=str, when_used="json"),
+    WithJsonSchema(_BASE64_STRING),
+]
+"""A vector's components (float16 on the wire, finite)."""
+
+
+class EmbeddingVector(BaseModel):
+    """An embedding as it travels in events: float16 components plus the model that made them.
+
+    Replay never calls the embedding model, so the vector and the name of its model go into the log together.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="Embedding model name, e.g. 'all-MiniLM-L6-v2'.")
+    dim: int = Field(gt=0, le=65536, description="Number of components; must equal len(data).")
+    data: Float16s = Field(description="Components, float16 on the wire.")
+
+    @model_validator(mode="after")
+    def _dimension_matches(self) -> EmbeddingVector:
+        if len(self.data) != self.dim:
+            raise ValueError(f"vector has {len(self.data)} components but dim says {self.dim}")
+        return self
+
+    @classmethod
+    def from_array(cls, model: str, vector: np.ndarray) -> EmbeddingVector:
+        flat = np.asarray(vector, dtype=np.float32).reshape(-1)
+        return cls(model=model, dim=int(flat.size), data=tuple(flat.tolist()))
+
+    def to_numpy(self) -> np.ndarray:
+        """The vector as float32, shape (dim,)."""
+        return np.asarray(self.data, dtype=np.float32)

@@ -1,0 +1,94 @@
+"""Bytes <-> events: JSON on the wire, size cap, upcasting, validation. Pure functions, no I/O.
+
+`decode` raises a subclass of `EventDecodeError` whose name and message say exactly what was wrong; the worker
+runner turns that into a dead letter. Payloads are JSON only (never pickle), so any client can read the log.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from schemas.base import Event
+from schemas.topics import EVENT_TYPES, TOPIC_OF_KIND, Topic, topic_of
+from schemas.upcasters import UpcastError, upcast
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+class EventDecodeError(ValueError):
+    """A record's bytes are not a valid event for its topic."""
+
+
+class PayloadTooLargeError(EventDecodeError):
+    """The record is larger than the configured payload cap."""
+
+
+class MalformedPayloadError(EventDecodeError):
+    """The bytes are not a JSON object."""
+
+
+class WrongTopicError(EventDecodeError):
+    """The event kind is unknown, or belongs to another topic."""
+
+
+class SchemaVersionError(EventDecodeError):
+    """The schema version is newer than this code, or cannot be upcast."""
+
+
+class InvalidEventError(EventDecodeError):
+    """The payload fails validation (missing fields, NaN rewards, empty ids, ...)."""
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per failing field: `turns.0.sampling_logprobs: NaN or infinite values are not allowed`."""
+    lines = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item["loc"]) or "<event>"
+        lines.append(f"{location}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def encode(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
+    """The event as compact JSON bytes; raises `PayloadTooLargeError` past `max_bytes`."""
+    data = event.model_dump_json().encode("utf-8")
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(
+            f"{event.kind} {event.event_id} encodes to {len(data)} bytes, over the {max_bytes}-byte payload cap"
+        )
+    return data
+
+
+def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Event:
+    """Parse, upcast and validate one record value read from `topic`."""
+    if data is None:
+        raise MalformedPayloadError("record has no value (tombstone)")
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"record is {len(data)} bytes, over the {max_bytes}-byte payload cap")
+    try:
+        payload = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedPayloadError(f"not a JSON document: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise MalformedPayloadError(f"expected a JSON object, got {type(payload).__name__}")
+    kind = payload.get("kind")
+    if kind not in topic.kinds:
+        where = f"; it belongs on {TOPIC_OF_KIND[kind].name}" if kind in TOPIC_OF_KIND else ""
+        raise WrongTopicError(
+            f"kind {kind!r} is not carried by {topic.name} (expected one of {', '.join(topic.kinds)}){where}"
+        )
+    try:
+        payload = upcast(payload, EVENT_TYPES[kind].current_version())
+    except (UpcastError, KeyError, TypeError, ValueError) as exc:
+        raise SchemaVersionError(f"{kind}: cannot upcast: {exc}") from exc
+    try:
+        return topic.adapter.validate_python(payload)
+    except ValidationError as exc:
+        raise InvalidEventError(f"{kind}: {describe_validation_error(exc)}") from exc
+
+
+def encode_for_topic(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Topic, bytes, bytes]:
+    """(topic, key, value) for publishing `event`."""
+    topic = topic_of(event)
+    return topic, topic.key_bytes(event), encode(event, max_bytes)

@@ -1,0 +1,42 @@
+"""Dead letters (`crl.dead-letters`): every record a worker could not process, with the reason. Any worker writes them.
+
+The raw bytes travel inline (base64) up to `MAX_INLINE_RAW_BYTES`; larger records (the oversize ones, typically) are
+written to the run's blob store and referenced by URI and sha256 (claim check), so nothing is lost and the dead
+letter itself stays far below the broker's message limit.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from schemas.base import Event, NonNegativeInt, Sha256Hex
+
+MAX_INLINE_RAW_BYTES = 256 * 1024
+
+
+class DeadLetter(Event):
+    """A record that could not be decoded, validated or handled. Version 2 split v1's `error` into class + message."""
+
+    kind: Literal["DeadLetter"] = "DeadLetter"
+    schema_version: Literal[2] = 2
+    source_topic: str = Field(min_length=1)
+    source_partition: NonNegativeInt
+    source_offset: NonNegativeInt
+    source_key_b64: str | None = Field(default=None, description="Record key, base64; None when it had none.")
+    raw_b64: str | None = Field(default=None, description="Record value, base64, when at most 256 KiB.")
+    raw_uri: str | None = Field(default=None, description="Blob-store URI of the value when it is larger.")
+    raw_size: NonNegativeInt = Field(description="Size of the record value in bytes.")
+    raw_sha256: Sha256Hex = Field(description="sha256 of the record value.")
+    error_class: str = Field(min_length=1, description="Class of the error, e.g. 'InvalidEventError'.")
+    error_message: str = Field(description="What was wrong, field by field for validation errors.")
+
+    @model_validator(mode="after")
+    def _raw_is_kept(self) -> DeadLetter:
+        if (self.raw_b64 is None) == (self.raw_uri is None):
+            raise ValueError("exactly one of raw_b64 (inline) and raw_uri (claim check) must be set")
+        if self.raw_b64 is not None and len(base64.b64decode(self.raw_b64)) != self.raw_size:
+            raise ValueError("raw_size does not match raw_b64")
+        return self

@@ -1,0 +1,46 @@
+"""Run lifecycle and control events (`crl.runs`, `crl.control`); the scheduler produces them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from schemas.base import Event, Id, NonNegativeInt
+
+
+class RunStarted(Event):
+    """A run began. Carries everything needed to reproduce it: the resolved config and the code version."""
+
+    kind: Literal["RunStarted"] = "RunStarted"
+    schema_version: Literal[1] = 1
+    config: dict[str, Any] = Field(description="The fully resolved run config (JSON-serialisable).")
+    code_version: str = Field(min_length=1, description="Git commit (plus '-dirty') or package version.")
+
+
+class RunFinished(Event):
+    """A run ended, normally after its last step or early on a stop request or a failure."""
+
+    kind: Literal["RunFinished"] = "RunFinished"
+    schema_version: Literal[1] = 1
+    status: Literal["completed", "stopped", "failed"] = Field(description="How the run ended.")
+    steps_completed: NonNegativeInt = Field(description="Training steps scheduled and completed.")
+    reason: str | None = Field(default=None, description="Why it stopped or failed; None when completed.")
+
+
+class MergeRequested(Event):
+    """The scheduler asks extractors to consolidate the bank (every N actor steps, per task family)."""
+
+    kind: Literal["MergeRequested"] = "MergeRequested"
+    schema_version: Literal[1] = 1
+    merge_id: Id = Field(description="Deterministic id of this merge round; op ids derive from it.")
+    step: NonNegativeInt = Field(description="The actor step after which the merge was requested.")
+    task_families: tuple[Id, ...] = Field(min_length=1, description="Families whose experiences are merged.")
+
+
+class StopRequested(Event):
+    """Someone (a person or the scheduler) asked every worker of the run to finish and stop."""
+
+    kind: Literal["StopRequested"] = "StopRequested"
+    schema_version: Literal[1] = 1
+    reason: str = Field(min_length=1, description="Why the run is being stopped.")

@@ -1,0 +1,41 @@
+"""Policy versions and training steps (`crl.policy`, `crl.train-steps`); the two trainers produce them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.base import Event, Id, NonNegativeInt, Role, Sha256Hex
+
+
+class PolicyPublished(Event):
+    """A new policy checkpoint is ready. Consumers load it only after its sha256 checks out."""
+
+    kind: Literal["PolicyPublished"] = "PolicyPublished"
+    schema_version: Literal[1] = 1
+    role: Role
+    version: NonNegativeInt = Field(description="Policy version; 0 is the initial checkpoint.")
+    step: NonNegativeInt = Field(description="Training step that produced it.")
+    checkpoint_uri: str = Field(min_length=1, description="Where the checkpoint lies (file:// URI or path).")
+    sha256: Sha256Hex = Field(description="sha256 of the checkpoint manifest.")
+
+
+class TrainStepCompleted(Event):
+    """One optimiser step, recorded well enough to re-run it and compare the weights."""
+
+    kind: Literal["TrainStepCompleted"] = "TrainStepCompleted"
+    schema_version: Literal[1] = 1
+    role: Role
+    step: NonNegativeInt
+    policy_version: NonNegativeInt = Field(description="Version published after this step.")
+    batch_event_ids: tuple[Id, ...] = Field(min_length=1, description="Events that formed the batch, in order.")
+    dropped_event_ids: tuple[Id, ...] = Field(default=(), description="Stragglers dropped at the group timeout.")
+    timed_out: bool = Field(default=False, description="True when the batch was closed by the timeout.")
+    weight_hash_before: Sha256Hex
+    weight_hash_after: Sha256Hex
+    loss: float
+    tokens: NonNegativeInt = Field(description="Tokens that carried loss.")
+    loss_variant: Id = Field(description="Which loss ran, e.g. 'grpo' or 'cispo'.")
+    aggregation: Id = Field(description="Loss aggregation, e.g. 'token-mean' or 'seq-mean-token-mean'.")
+    metrics: dict[str, float] = Field(default_factory=dict, description="Namespaced scalars (train/..., rollout/...).")
