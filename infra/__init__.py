@@ -1,0 +1,1 @@
+"""Infrastructure: embedded broker, Kafka clients and admin, database engine and migrations."""

@@ -1,0 +1,118 @@
+"""Topic administration: create every registry topic idempotently, list and describe them.
+
+Creation is idempotent: an existing topic with the registry's partition count is left alone; one with a different
+count is an error (partitions cannot be changed later on the embedded broker, and changing them on Kafka re-keys
+the log). Retention is set as a topic config (`retention.ms`, -1 = forever); Tansu accepts and ignores it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from schemas.topics import TOPICS, Topic
+
+
+class TopicMismatchError(RuntimeError):
+    """A topic exists with another partition count than the registry declares."""
+
+
+@dataclass(frozen=True)
+class TopicStatus:
+    """What the broker says about one registry topic."""
+
+    topic: Topic
+    exists: bool
+    partitions: int
+    messages: int | None = None  # sum of high watermarks (records ever written, on an uncompacted topic)
+
+    @property
+    def matches(self) -> bool:
+        return self.exists and self.partitions == self.topic.partitions
+
+
+def existing_partition_counts(admin: KafkaAdminClient) -> dict[str, int]:
+    names = admin.list_topics()
+    if not names:
+        return {}
+    return {item["name"]: len(item["partitions"]) for item in admin.describe_topics(names)}
+
+
+def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> dict[str, str]:
+    """Create every topic that is missing. Returns `{name: "created" | "exists"}`; raises `TopicMismatchError`."""
+    topics = list(topics)
+    existing = existing_partition_counts(admin)
+    result: dict[str, str] = {}
+    for topic in topics:
+        if topic.name in existing:
+            if existing[topic.name] != topic.partitions:
+                raise TopicMismatchError(
+                    f"{topic.name} has {existing[topic.name]} partitions, the registry declares {topic.partitions};"
+                    " delete it (or the broker's data) and run `crl topics create` again"
+                )
+            result[topic.name] = "exists"
+            continue
+        try:
+            admin.create_topics(
+                [
+                    NewTopic(
+                        topic.name,
+                        topic.partitions,
+                        1,
+                        topic_configs={"retention.ms": str(topic.retention_ms)},
+                    )
+                ]
+            )
+            result[topic.name] = "created"
+        except TopicAlreadyExistsError:
+            # Another process created it between our listing and our request.
+            result[topic.name] = "exists"
+    _wait_for_metadata(admin, [t.name for t in topics])
+    return result
+
+
+def _wait_for_metadata(admin: KafkaAdminClient, names: list[str], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if set(names) <= set(admin.list_topics()):
+            return
+        time.sleep(0.05)
+    raise TopicMismatchError(f"topics {names} did not appear in metadata within {timeout_s:.0f}s")
+
+
+def describe_topics(admin: KafkaAdminClient, consumer: KafkaConsumer | None = None) -> list[TopicStatus]:
+    """The registry topics as the broker has them; with `consumer`, also the number of records in each."""
+    existing = existing_partition_counts(admin)
+    statuses = []
+    for topic in TOPICS:
+        partitions = existing.get(topic.name, 0)
+        messages = None
+        if consumer is not None and partitions:
+            messages = sum(high_watermarks(consumer, topic.name, partitions).values())
+        statuses.append(TopicStatus(topic, topic.name in existing, partitions, messages))
+    return statuses
+
+
+def high_watermarks(consumer: KafkaConsumer, name: str, partitions: int) -> dict[int, int]:
+    """High watermark of every partition of `name`.
+
+    `end_offsets()` is wrong on Tansu (it returns the last batch's base offset + 1), so this assigns the partitions,
+    seeks to the end and reads `position()`, which both brokers answer correctly after a fetch of the tail.
+    """
+    tps = [TopicPartition(name, p) for p in range(partitions)]
+    consumer.assign(tps)
+    consumer.seek_to_end(*tps)
+    ends = {tp.partition: consumer.position(tp) for tp in tps}
+    # position() after seek_to_end resolves through ListOffsets(latest), which Tansu answers with the high watermark;
+    # confirm with a fetch where it disagrees with highwater().
+    consumer.poll(timeout_ms=200)
+    for tp in tps:
+        observed = consumer.highwater(tp)
+        if observed is not None:
+            ends[tp.partition] = observed
+    return ends

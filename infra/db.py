@@ -1,0 +1,171 @@
+"""The database: engine settings, the `consumer_offsets` table, and the Alembic migrations run from code.
+
+Every worker of a run opens the same database: by default a SQLite file `crl.sqlite3` in the run directory, or any
+SQLAlchemy URL (PostgreSQL for multi-host runs). Workers call `migrate(engine)` at start-up; it upgrades the schema to
+the newest revision in `infra/migrations/versions` and is safe to call from many processes at once. There is no
+`alembic.ini`: the Alembic config is built in code (`alembic_config`).
+
+    engine = make_engine(database_url(DbSettings(), run_dir))
+    migrate(engine)            # -> "0001"
+    check_connection(engine)   # -> "sqlite 3.40.1"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Engine,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    create_engine,
+    event,
+    make_url,
+    text,
+)
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_FILE_NAME = "crl.sqlite3"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+# Any fixed 64-bit key works; every process that migrates must use the same one. This is "crl-migr" in ASCII.
+MIGRATION_LOCK_KEY = 0x63726C2D6D696772
+
+
+class DbSettings(BaseModel):
+    """Where the run's database lives and whether to log its SQL."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str | None = Field(
+        default=None,
+        description=(
+            "SQLAlchemy URL of the database. None means a SQLite file `crl.sqlite3` in the run directory; "
+            "for several hosts use PostgreSQL, e.g. `postgresql+psycopg://user@host:5432/db`."
+        ),
+    )
+    echo: bool = Field(default=False, description="Log every SQL statement (SQLAlchemy `echo`).")
+
+
+def database_url(settings: DbSettings, run_dir: Path) -> str:
+    """Return the SQLAlchemy URL to open: `settings.url`, or the absolute SQLite file `run_dir/crl.sqlite3`."""
+    if settings.url is not None:
+        return settings.url
+    return f"sqlite:///{(run_dir / SQLITE_FILE_NAME).resolve()}"
+
+
+def _configure_sqlite_connection(dbapi_connection: Any, connection_record: Any) -> None:
+    # Several worker processes share one SQLite file: WAL lets readers run beside the single writer, and the busy
+    # timeout makes a writer wait for the lock instead of failing at once with "database is locked".
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    # SQLite ignores foreign keys unless asked, per connection.
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def make_engine(url: str, echo: bool = False) -> Engine:
+    """Create the engine for `url`.
+
+    SQLite: creates the file's directory if needed and sets WAL, a 30 s busy timeout and foreign keys on every
+    connection. Other databases: `pool_pre_ping`, so connections the server dropped are replaced, not handed out.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    database = parsed.database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, echo=echo)
+    event.listen(engine, "connect", _configure_sqlite_connection)
+    return engine
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Return a `sessionmaker` bound to `engine`; `with factory.begin() as session:` is one transaction."""
+    return sessionmaker(bind=engine)
+
+
+metadata = MetaData()
+
+consumer_offsets = Table(
+    "consumer_offsets",
+    metadata,
+    # The worker instance that owns the position, e.g. "bank-0".
+    Column("worker", String(128), nullable=False),
+    Column("topic", String(255), nullable=False),
+    Column("partition", Integer, nullable=False),
+    # The offset of the next record to read: one past the last record whose outputs were flushed.
+    Column("next_offset", BigInteger, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    PrimaryKeyConstraint("worker", "topic", "partition", name="pk_consumer_offsets"),
+)
+"""Input positions of workers that consume in Kafka "assign mode" and so keep them here, not in consumer groups."""
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Build the Alembic config for `infra/migrations` in code; `connection`, if given, is what env.py migrates."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def _lock_migrations(connection: Connection) -> None:
+    # Many workers start at once and each calls migrate(); without a lock two of them can both see an empty schema
+    # and both run CREATE TABLE. The lock lasts until the surrounding transaction ends.
+    dialect = connection.dialect.name
+    if dialect == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+    elif dialect == "sqlite":
+        # Taking the write lock before Alembic reads the version table makes a second process wait here (busy
+        # timeout) and then find the schema already at head; Python's sqlite3 would otherwise run the reads and the
+        # DDL outside any transaction.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def migrate(engine: Engine) -> str:
+    """Upgrade the database to the newest migration and return the revision it is at (e.g. "0001").
+
+    Idempotent, and safe to run from several processes at once: the whole upgrade is one transaction holding a
+    migration lock (a PostgreSQL transaction-level advisory lock, or SQLite's write lock).
+    """
+    with engine.begin() as connection:
+        pass
+        command.upgrade(alembic_config(connection), "head")
+        revision = MigrationContext.configure(connection).get_current_revision()
+    if revision is None:
+        raise RuntimeError(f"no migrations found under {MIGRATIONS_DIR}")
+    return revision
+
+
+def current_revision(engine: Engine) -> str | None:
+    """Return the migration revision the database is at, or None if it was never migrated."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def check_connection(engine: Engine) -> str:
+    """Run `SELECT 1` and describe the server, e.g. "sqlite 3.40.1" or "postgresql 15.19".
+
+    Raises the SQLAlchemy error (e.g. `OperationalError`) when the database cannot be reached.
+    """
+    with engine.connect() as connection:
+        connection.execute(text("SELECT 1")).scalar_one()
+    version = ".".join(str(part) for part in engine.dialect.server_version_info or ())
+    return f"{engine.dialect.name} {version}".strip()

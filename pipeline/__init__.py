@@ -1,0 +1,1 @@
+"""The runtime: settings, worker runner, transports, audit, CLI."""

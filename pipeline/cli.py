@@ -1,0 +1,348 @@
+"""`crl`: the command line. Settings are read here, once; errors become exit codes here and nowhere else.
+
+    crl stack up --run-dir runs/demo             # embedded broker + topics, until Ctrl-C
+    crl worker archiver --run-dir runs/demo      # any worker kind of the WORKERS registry
+    crl doctor --embedded                        # is everything here and working?
+    crl audit sql runs/demo "SELECT kind, count(*) FROM events GROUP BY kind"
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.settings import Settings
+
+console = Console()
+errors = Console(stderr=True)
+
+app = typer.Typer(
+    help="Complementary RL on an event log: run the stack, run workers, audit runs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+topics_app = typer.Typer(help="Create and inspect the registry's Kafka topics.", no_args_is_help=True)
+stack_app = typer.Typer(help="The embedded broker stack (no Docker needed).", no_args_is_help=True)
+audit_app = typer.Typer(help="Read-only DuckDB over a run's Parquet archive.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+app.add_typer(stack_app, name="stack")
+app.add_typer(audit_app, name="audit")
+
+RunDirOption = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: CRL_RUN_DIR or runs/default).")
+]
+
+
+class _State:
+    settings: Settings | None = None
+    log_level: str = "warning"
+
+
+def _configure_logging(level: str, log_file: Path | None = None) -> None:
+    """Log to stderr at `level`; with `log_file`, also everything from INFO up into that file (the worker's log)."""
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    console_handler = logging.StreamHandler(sys.stderr)
+    console_handler.setLevel(level.upper())
+    handlers: list[logging.Handler] = [console_handler]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setLevel(logging.INFO)
+        handlers.append(file_handler)
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    root_level = min(console_handler.level, logging.INFO if log_file else console_handler.level)
+    logging.basicConfig(level=root_level, handlers=handlers, force=True)
+    # kafka-python is chatty at INFO (every connection); its warnings and errors still show.
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, root_level))
+
+
+def _settings(run_dir: Path | None = None) -> Settings:
+    settings = _State.settings
+    assert settings is not None, "the app callback loads settings first"
+    if run_dir is not None:
+        settings = settings.model_copy(update={"run_dir": run_dir})
+    return settings
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    errors.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+@app.callback()
+def _load(
+    log_level: Annotated[str, typer.Option(help="Logging level: debug, info, warning, error.")] = "warning",
+) -> None:
+    """Read settings from CRL_* environment variables (validated field by field)."""
+    # Nothing may reach a model hub at run time; set before any Hugging Face library is imported.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    _State.log_level = log_level
+    _configure_logging(log_level)
+    try:
+        _State.settings = Settings()
+    except ValidationError as exc:
+        errors.print("[red]invalid settings:[/red]")
+        for item in exc.errors(include_url=False):
+            field = "CRL_" + "__".join(str(part) for part in item["loc"]).upper()
+            errors.print(f"  {field}: {item['msg']}")
+        raise typer.Exit(2) from exc
+
+
+# -- topics ---------------------------------------------------------------------------------------------------------
+
+
+@topics_app.command("create")
+def topics_create(run_dir: RunDirOption = None) -> None:
+    """Create every registry topic with its partition count (idempotent)."""
+    from infra.admin import TopicMismatchError, create_topics
+    from infra.kafka import make_admin
+
+    admin = _admin(run_dir, make_admin)
+    try:
+        result = create_topics(admin)
+    except TopicMismatchError as exc:
+        raise _fail(str(exc)) from exc
+    finally:
+        admin.close()
+    for name, outcome in result.items():
+        console.print(f"{outcome:8} {name}")
+
+
+@topics_app.command("list")
+def topics_list(run_dir: RunDirOption = None) -> None:
+    """List the topics on the broker, marking the registry's."""
+    from infra.admin import existing_partition_counts
+    from infra.kafka import make_admin
+    from schemas.topics import TOPICS_BY_NAME
+
+    admin = _admin(run_dir, make_admin)
+    try:
+        counts = existing_partition_counts(admin)
+    finally:
+        admin.close()
+    for name in sorted(counts):
+        marker = "registry" if name in TOPICS_BY_NAME else "other"
+        console.print(f"{name:24} {counts[name]:3} partitions  {marker}")
+
+
+@topics_app.command("describe")
+def topics_describe(run_dir: RunDirOption = None) -> None:
+    """Every registry topic: partitions (expected and actual), records, retention, event kinds."""
+    from infra.admin import describe_topics
+    from infra.kafka import make_admin, make_consumer
+
+    settings = _settings(run_dir)
+    admin = _admin(run_dir, make_admin)
+    consumer = make_consumer(_kafka(settings), client_id="crl-describe")
+    try:
+        statuses = describe_topics(admin, consumer)
+    finally:
+        admin.close()
+        consumer.close(autocommit=False)
+    table = Table("topic", "partitions", "records", "retention", "events", "ok")
+    for status in statuses:
+        retention = "forever" if status.topic.retention_ms < 0 else f"{status.topic.retention_ms // 3_600_000} h"
+        table.add_row(
+            status.topic.name,
+            f"{status.partitions}/{status.topic.partitions}",
+            "-" if status.messages is None else str(status.messages),
+            retention,
+            ", ".join(status.topic.kinds),
+            "[green]yes[/green]" if status.matches else "[red]no[/red]",
+        )
+    console.print(table)
+    if not all(status.matches for status in statuses):
+        raise typer.Exit(1)
+
+
+def _kafka(settings: Settings) -> Any:
+    try:
+        return settings.resolve_kafka()
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from exc
+
+
+def _admin(run_dir: Path | None, make_admin: Any) -> Any:
+    from kafka.errors import KafkaError
+
+    kafka = _kafka(_settings(run_dir))
+    try:
+        return make_admin(kafka)
+    except KafkaError as exc:
+        raise _fail(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
+
+
+# -- stack ----------------------------------------------------------------------------------------------------------
+
+
+@stack_app.command("up")
+def stack_up(
+    run_dir: RunDirOption = None,
+    port: Annotated[int | None, typer.Option(help="Loopback port for the broker (default: a free one).")] = None,
+) -> None:
+    """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
+    from infra.admin import create_topics
+    from infra.broker import BrokerError, EmbeddedBroker
+    from infra.kafka import make_admin
+    from pipeline.settings import BROKER_FILE, write_broker_file
+
+    settings = _settings(run_dir)
+    try:
+        broker = EmbeddedBroker(log_path=settings.run_dir / "logs" / "broker.log", port=port,
+                                tansu_bin=settings.tansu_bin).start()
+    except BrokerError as exc:
+        raise _fail(str(exc)) from exc
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        admin = make_admin(settings.with_bootstrap(broker.bootstrap_servers).kafka)
+        try:
+            create_topics(admin)
+        finally:
+            admin.close()
+        write_broker_file(settings.run_dir, broker.bootstrap_servers, broker.pid)
+        console.print(f"broker  {broker.bootstrap_servers}  (Tansu pid {broker.pid}, log {broker.log_path})")
+        console.print(f"topics  created; run dir {settings.run_dir}")
+        console.print(f"use it: export CRL_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}"
+                      f"   or pass --run-dir {settings.run_dir}")
+        console.print("Ctrl-C stops the broker (its records live in memory only; the archive keeps them).")
+        while not stop.wait(0.5):
+            if not broker.is_running():
+                raise _fail("the broker exited unexpectedly; see its log")
+    finally:
+        broker.stop()
+        (settings.run_dir / BROKER_FILE).unlink(missing_ok=True)
+    console.print("broker stopped")
+
+
+# -- workers --------------------------------------------------------------------------------------------------------
+
+
+@app.command("worker")
+def worker(
+    name: Annotated[str, typer.Argument(help="Worker kind, a key of the WORKERS registry (e.g. archiver).")],
+    run_dir: RunDirOption = None,
+    instance: Annotated[str | None, typer.Option(help="Instance name (default: NAME-host-pid).")] = None,
+    max_events: Annotated[int | None, typer.Option(help="Stop after this many input events.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Stop after this many seconds.")] = None,
+) -> None:
+    """Run one worker until SIGTERM / Ctrl-C (it finishes the current event, flushes and commits first)."""
+    from pipeline.launch import build_runner, default_instance, load_worker_registry
+    from pipeline.runner import Limits
+
+    settings = _settings(run_dir)
+    try:
+        registry = load_worker_registry()
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from exc
+    if name not in registry:
+        raise _fail(f"unknown worker {name!r}; known workers: {', '.join(sorted(registry))}", 2)
+    instance = instance or default_instance(name)
+    _configure_logging(_State.log_level, settings.run_dir / "logs" / f"{instance}.log")
+    try:
+        runner = build_runner(registry[name], settings, instance=instance,
+                              limits=Limits(max_events=max_events, timeout_s=timeout))
+        runner.install_signal_handlers()
+        metrics = runner.run()
+    except PipelineError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from exc
+    console.print(f"{name} stopped ({runner.stop_reason or 'finished'}): {json.dumps(metrics.snapshot())}")
+
+
+# -- doctor ---------------------------------------------------------------------------------------------------------
+
+
+@app.command("doctor")
+def doctor(
+    embedded: Annotated[bool, typer.Option("--embedded", help="Start a throwaway embedded broker to check.")] = False,
+    run_dir: RunDirOption = None,
+) -> None:
+    """Check broker, topics, a Kafka round trip of every event kind, SQL, embedding model and NLE; exit 1 on any failure."""
+    from pipeline.doctor import run_checks
+
+    checks = run_checks(_settings(run_dir), embedded=embedded)
+    table = Table("check", "result", "detail")
+    for check in checks:
+        table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", check.detail)
+    console.print(table)
+    failed = [check for check in checks if not check.ok]
+    console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
+# -- audit ----------------------------------------------------------------------------------------------------------
+
+
+def _print_rows(columns: list[str], rows: list[tuple[Any, ...]], output: str) -> None:
+    if output == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    elif output == "json":
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*("" if value is None else str(value) for value in row))
+        console.print(table)
+        console.print(f"{len(rows)} rows")
+
+
+FormatOption = Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")]
+
+
+@audit_app.command("sql")
+def audit_sql(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    sql: Annotated[str, typer.Argument(help="One SELECT over the views (`events`, `trajectory_completed`, ...).")],
+    output: FormatOption = "table",
+) -> None:
+    """Run one read-only SQL statement over the run's archive. Views: events plus one per event kind."""
+    from pipeline.audit import Audit, AuditQueryError
+
+    with Audit(run_dir) as audit:
+        try:
+            columns, rows = audit.query(sql)
+        except AuditQueryError as exc:
+            raise _fail(f"{exc}\nviews: {', '.join(Audit.view_names())}") from exc
+    _print_rows(columns, rows, output)
+
+
+@audit_app.command("events")
+def audit_events(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    kind: Annotated[str | None, typer.Option(help="Only this event kind, e.g. TrajectoryCompleted.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many rows.")] = 20,
+    output: FormatOption = "table",
+) -> None:
+    """Print archived events in time order (envelope, coordinates, start of the payload)."""
+    from pipeline.audit import Audit, AuditQueryError
+
+    with Audit(run_dir) as audit:
+        try:
+            columns, rows = audit.recent_events(kind, limit)
+        except AuditQueryError as exc:
+            raise _fail(str(exc)) from exc
+    _print_rows(columns, rows, output)
+
+
+def main() -> None:
+    app()

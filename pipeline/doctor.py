@@ -1,0 +1,185 @@
+"""`crl doctor`: checks that everything a run needs is here and works, one row per check.
+
+    crl doctor --embedded      # starts a throwaway embedded broker and checks against it
+    crl doctor                 # checks the broker of CRL_KAFKA__BOOTSTRAP_SERVERS (or of the run dir)
+
+Checks: broker reachable; every registry topic present with its partition count; a round trip through Kafka of one
+valid example of every event kind (decoded equal); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is
+set); the embedding model loads offline; NLE / MiniHack import and step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafka import TopicPartition
+
+from infra.admin import create_topics, existing_partition_counts
+from infra.broker import EmbeddedBroker, wait_until_answers
+from infra.db import check_connection, current_revision, make_engine, migrate
+from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
+from pipeline.embeddings import load_sentence_encoder
+from pipeline.settings import Settings
+from schemas.codec import decode, encode
+from schemas.examples import example_events
+from schemas.topics import TOPICS, topic_named, topic_of
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _attempt(name: str, action: Callable[[], str]) -> Check:
+    try:
+        return Check(name, True, action())
+    except Exception as exc:  # a doctor reports every failure as a row instead of stopping at the first
+        return Check(name, False, f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _broker(settings: Settings, embedded: bool, scratch: Path) -> Iterator[tuple[KafkaSettings | None, Check]]:
+    if embedded:
+        try:
+            broker = EmbeddedBroker(log_path=scratch / "broker.log", tansu_bin=settings.tansu_bin).start()
+        except Exception as exc:
+            yield None, Check("broker reachable", False, f"embedded broker: {type(exc).__name__}: {exc}")
+            return
+        try:
+            kafka = settings.kafka.model_copy(update={"bootstrap_servers": broker.bootstrap_servers})
+            yield kafka, Check("broker reachable", True, f"embedded Tansu at {broker.bootstrap_servers}"
+                                                         f" (pid {broker.pid})")
+        finally:
+            broker.stop()
+        return
+    try:
+        kafka = settings.resolve_kafka()
+        wait_until_answers(kafka.require_bootstrap(), timeout_s=10)
+    except Exception as exc:
+        yield None, Check("broker reachable", False, f"{type(exc).__name__}: {exc}")
+        return
+    yield kafka, Check("broker reachable", True, f"Kafka at {kafka.bootstrap_servers}")
+
+
+def _topic_checks(kafka: KafkaSettings, create: bool) -> list[Check]:
+    admin = make_admin(kafka)
+    try:
+        if create:
+            create_topics(admin)
+        counts = existing_partition_counts(admin)
+    finally:
+        admin.close()
+    checks = []
+    for topic in TOPICS:
+        found = counts.get(topic.name)
+        if found is None:
+            checks.append(Check(f"topic {topic.name}", False, "missing: run `crl topics create`"))
+        else:
+            checks.append(Check(f"topic {topic.name}", found == topic.partitions,
+                                f"{found} partitions (registry: {topic.partitions})"))
+    return checks
+
+
+def _round_trip_checks(kafka: KafkaSettings, timeout_s: float = 15.0) -> list[Check]:
+    """Produce one example of every kind, read each back by event id, and compare the decoded event."""
+    events = example_events(run_id=f"doctor-{uuid.uuid4().hex[:8]}")
+    consumer = make_consumer(kafka, client_id="crl-doctor")
+    producer = make_producer(kafka, client_id="crl-doctor")
+    try:
+        partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
+        consumer.assign(partitions)
+        consumer.seek_to_end(*partitions)
+        for tp in partitions:
+            consumer.position(tp)  # resolve the end now, before our records land
+        for event in events:
+            topic = topic_of(event)
+            producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
+        producer.flush(timeout=timeout_s)
+        wanted = {str(event.event_id): event for event in events}
+        received: dict[str, bytes] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(received) < len(wanted) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=200).values():
+                for record in batch:
+                    try:
+                        event = decode(topic_named(record.topic), record.value)
+                    except ValueError:
+                        continue  # someone else's record on a shared broker
+                    if str(event.event_id) in wanted:
+                        received[str(event.event_id)] = record.value
+    finally:
+        producer.close(timeout=5)
+        consumer.close(autocommit=False)
+    checks = []
+    for event_id, event in wanted.items():
+        name = f"round trip {event.kind}"
+        if event_id not in received:
+            checks.append(Check(name, False, f"not read back from {topic_of(event).name} within {timeout_s:.0f}s"))
+            continue
+        decoded = decode(topic_of(event), received[event_id])
+        checks.append(Check(name, decoded == event, f"{len(received[event_id])} bytes via {topic_of(event).name}"
+                            + ("" if decoded == event else ": decoded event differs")))
+    return checks
+
+
+def _sql_check(url: str, apply_migrations: bool) -> str:
+    """Connect; on the scratch database also apply every migration (a user's database is only inspected)."""
+    engine = make_engine(url)
+    try:
+        server = check_connection(engine)
+        if apply_migrations:
+            migrate(engine)
+        return f"{server}, schema revision {current_revision(engine) or 'none (workers migrate on start)'}"
+    finally:
+        engine.dispose()
+
+
+def _embedding_check(model: str) -> str:
+    encoder = load_sentence_encoder(model)
+    vector = encoder.encode(["reach the staircase down"], convert_to_numpy=True)
+    return f"{model} offline, dim {vector.shape[1]}"
+
+
+def _nle_check() -> str:
+    import gymnasium
+    import minihack  # noqa: F401  (registers the MiniHack environments)
+    import nle
+
+    env = gymnasium.make("MiniHack-Room-5x5-v0")
+    try:
+        env.reset()
+        env.step(0)
+    finally:
+        env.close()
+    return f"nle {nle.__version__}, MiniHack-Room-5x5-v0 reset and stepped"
+
+
+def run_checks(settings: Settings, embedded: bool) -> list[Check]:
+    checks: list[Check] = []
+    with tempfile.TemporaryDirectory(prefix="crl-doctor-") as scratch:
+        scratch_dir = Path(scratch)
+        with _broker(settings, embedded, scratch_dir) as (kafka, reachable):
+            checks.append(reachable)
+            if kafka is not None:
+                try:
+                    checks += _topic_checks(kafka, create=embedded)
+                except Exception as exc:
+                    checks.append(Check("topics", False, f"{type(exc).__name__}: {exc}"))
+                try:
+                    checks += _round_trip_checks(kafka)
+                except Exception as exc:
+                    checks.append(Check("round trip", False, f"{type(exc).__name__}: {exc}"))
+        checks.append(_attempt("SQL SQLite", lambda: _sql_check(f"sqlite:///{scratch_dir / 'doctor.sqlite3'}", True)))
+        if settings.db.url:
+            checks.append(_attempt("SQL CRL_DB__URL", lambda: _sql_check(settings.db.url, False)))
+    checks.append(_attempt("embedding model", lambda: _embedding_check(settings.embedding.model)))
+    checks.append(_attempt("NLE / MiniHack", _nle_check))
+    return checks

@@ -1,0 +1,93 @@
+"""Input positions of workers that consume in Kafka assign mode, kept in the run's database.
+
+A worker that assigns itself partitions (instead of joining a consumer group) has no group offsets in Kafka, so it
+keeps its positions in the `consumer_offsets` table (`infra.db`): one row per (worker, topic, partition) holding the
+next offset to read. The runner saves positions only after the outputs of the records before them are flushed to
+the broker, so a crash between the flush and the save replays those records: delivery is at least once, and the
+handlers downstream must be idempotent.
+
+    store = SqlOffsetStore(engine, worker="bank-0")
+    positions = store.load()                       # {("crl.experience-ops", 0): 1234}
+    store.save({("crl.experience-ops", 0): 1300})  # after the outputs up to offset 1299 are flushed
+
+Saving is one transaction over all given partitions, and a position never moves backwards: a lower offset than the
+stored one raises `ValueError` and nothing of that save is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+from sqlalchemy import Connection, Engine, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from infra.db import consumer_offsets
+
+TopicPartition = tuple[str, int]
+"""A Kafka partition as (topic name, partition number)."""
+
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+
+class SqlOffsetStore:
+    """The positions of one worker instance, read and written in the `consumer_offsets` table."""
+
+    def __init__(self, engine: Engine, worker: str) -> None:
+        dialect = engine.dialect.name
+        if dialect not in _INSERTS:
+            raise ValueError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+        self.engine = engine
+        self.worker = worker
+        self._insert = _INSERTS[dialect]
+
+    def load(self) -> dict[TopicPartition, int]:
+        """Return this worker's next offset per (topic, partition); partitions it never saved are absent."""
+        query = select(consumer_offsets.c.topic, consumer_offsets.c.partition, consumer_offsets.c.next_offset).where(
+            consumer_offsets.c.worker == self.worker
+        )
+        with self.engine.connect() as connection:
+            return {(topic, partition): next_offset for topic, partition, next_offset in connection.execute(query)}
+
+    def save(self, positions: Mapping[TopicPartition, int]) -> None:
+        """Store the next offset of every given partition in one transaction; other partitions keep theirs.
+
+        Raises `ValueError`, writing none of `positions`, if an offset is negative or lower than the stored one.
+        """
+        for (topic, partition), next_offset in positions.items():
+            if next_offset < 0:
+                raise ValueError(f"topic {topic!r} partition {partition}: next offset must be >= 0, got {next_offset}")
+        if not positions:
+            return
+        updated_at = datetime.now(UTC)
+        with self.engine.begin() as connection:
+            # A fixed row order keeps two concurrent saves from locking the same rows in opposite orders (deadlock).
+            for (topic, partition), next_offset in sorted(positions.items()):
+                self._upsert(connection, topic, partition, next_offset, updated_at)
+
+    def _upsert(self, connection: Connection, topic: str, partition: int, next_offset: int, at: datetime) -> None:
+        insert = self._insert(consumer_offsets).values(
+            worker=self.worker, topic=topic, partition=partition, next_offset=next_offset, updated_at=at
+        )
+        # The "not backwards" test sits in the upsert's WHERE so check and write are one statement, with no window
+        # for another writer between a read and the update.
+        upsert = insert.on_conflict_do_update(
+            index_elements=[consumer_offsets.c.worker, consumer_offsets.c.topic, consumer_offsets.c.partition],
+            set_={"next_offset": insert.excluded.next_offset, "updated_at": insert.excluded.updated_at},
+            where=consumer_offsets.c.next_offset <= insert.excluded.next_offset,
+        )
+        # RETURNING yields the row only if it was inserted or updated; rowcount is not reliable for upserts.
+        if connection.execute(upsert.returning(consumer_offsets.c.next_offset)).first() is not None:
+            return
+        stored = connection.execute(
+            select(consumer_offsets.c.next_offset).where(
+                consumer_offsets.c.worker == self.worker,
+                consumer_offsets.c.topic == topic,
+                consumer_offsets.c.partition == partition,
+            )
+        ).scalar_one()
+        # Raising inside engine.begin() rolls back the positions this save already wrote.
+        raise ValueError(
+            f"worker {self.worker!r}, topic {topic!r} partition {partition}: stored next offset is {stored}, "
+            f"refusing to move it backwards to {next_offset}"
+        )

@@ -1,0 +1,83 @@
+"""Fixtures for integration tests: real databases (and, later, a real broker)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, make_url, text
+from sqlalchemy.exc import OperationalError
+
+from infra.db import check_connection, make_engine
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Databases. `db_engine` runs a test once on a SQLite file and once on PostgreSQL, each empty (never migrated).
+# PostgreSQL comes from CRL_TEST_POSTGRES_URL; each test gets its own schema, dropped afterwards. When the server is
+# unreachable the PostgreSQL half is skipped, except on CI (CI=true), which has the server and must fail instead.
+# ---------------------------------------------------------------------------------------------------------------------
+
+DEFAULT_TEST_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The PostgreSQL server for tests; fails on CI and skips elsewhere when it cannot be reached."""
+    url = os.environ.get("CRL_TEST_POSTGRES_URL", DEFAULT_TEST_POSTGRES_URL)
+    engine = make_engine(url)
+    try:
+        check_connection(engine)
+    except OperationalError as exc:
+        reason = f"PostgreSQL at {make_url(url)!r} is unreachable (set CRL_TEST_POSTGRES_URL): {exc.orig}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    finally:
+        engine.dispose()
+    return url
+
+
+@pytest.fixture
+def postgresql_engine(postgres_url: str) -> Iterator[Engine]:
+    """An engine whose every connection works in a fresh, empty schema `crl_test_<hex>`."""
+    schema = f"crl_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(postgres_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    # libpq `options` in the URL become connect arguments: every pooled connection starts in the test schema.
+    scoped_url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    engine = make_engine(scoped_url.render_as_string(hide_password=False))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_path(tmp_path: Path) -> Path:
+    """Where the test's SQLite database file goes; the directory does not exist yet."""
+    return tmp_path / "run" / "crl.sqlite3"
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_path: Path) -> Iterator[Engine]:
+    """An engine on a new SQLite file in the test's temporary directory."""
+    engine = make_engine(f"sqlite:///{sqlite_path}")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_engine(request: pytest.FixtureRequest) -> Engine:
+    """An empty database on each backend in turn: the same test runs on SQLite and on PostgreSQL."""
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+# ---------------------------------------------------------------------------------------------------------------------

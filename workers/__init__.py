@@ -1,0 +1,12 @@
+"""Worker kinds. A new kind is one file here, one line in `WORKERS`, one test and one compose service.
+
+Imports flow `schemas <- pipeline <- workers`: workers may use everything, nothing imports workers (the CLI finds
+this registry through the `crl.workers` entry point in pyproject.toml).
+"""
+
+from pipeline.launch import WorkerClass
+from workers.archiver import Archiver
+
+WORKERS: dict[str, WorkerClass] = {
+    Archiver.name: Archiver,
+}
