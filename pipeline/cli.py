@@ -346,3 +346,7 @@ def audit_events(
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -314,7 +314,10 @@ class WorkerRunner:
 
     def dead_letter(self, record: Record, error: BaseException) -> DeadLetter:
         raw = record.value or b""
-        inline = len(raw) <= MAX_INLINE_RAW_BYTES
+        # Inline only what leaves the dead letter well inside the payload cap (base64 grows 4/3; envelope, key and
+        # a message of up to 4000 characters fit in 16 KiB); anything larger goes to the blob store.
+        inline_limit = min(MAX_INLINE_RAW_BYTES, (self.max_payload_bytes - 16 * 1024) * 3 // 4)
+        inline = len(raw) <= inline_limit
         if inline:
             raw_b64, raw_uri, raw_sha256 = base64.b64encode(raw).decode("ascii"), None, None
         else:
@@ -356,9 +359,16 @@ class WorkerRunner:
         self._uncommitted = False
 
     def _on_revoke(self, revoked: set[Position]) -> None:
-        self.commit()
-        for position in revoked:
-            self.positions.pop(position, None)
+        """Partitions moved to another group member: forget their uncommitted positions.
+
+        kafka-python 3 runs rebalance callbacks on its IO thread, where a blocking commit is forbidden, so nothing is
+        committed here: the new owner resumes at the last commit and re-reads what was handled since (at-least-once;
+        commits follow every poll batch, so the window is one batch). Never committing a revoked partition keeps
+        this member from overwriting the new owner's progress.
+        """
+        dropped = {position: self.positions.pop(position) for position in revoked if position in self.positions}
+        if dropped:
+            log.info("partitions revoked; their uncommitted records will be re-delivered: %s", dropped)
 
     # -- metrics --------------------------------------------------------------------------------------------------
 

@@ -10,9 +10,12 @@ acknowledged before input offsets are committed) can be asserted directly.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from pipeline.blobs import BlobStore
 from pipeline.runner import Limits, Processor, Source, WorkerRunner
 from pipeline.settings import RunnerSettings
 from pipeline.transport import Position, Record
@@ -135,10 +138,11 @@ def run_processor(
     batch_size: int = 100,
     run_id: str = "test-run",
     output: MemoryOutput | None = None,
-    blobs=None,
+    blobs: BlobStore | None = None,
 ) -> HarnessResult:
     """Run `processor` until every input is handled (or it stops itself), then decode what it published."""
     journal = output.journal if output is not None else Journal()
+    blobs = blobs or BlobStore(Path(tempfile.mkdtemp(prefix="crl-harness-blobs-")))
     records = to_records(inputs)
     input_log = MemoryInput(records, journal, batch_size)
     output_log = output or MemoryOutput(journal)

@@ -1,0 +1,285 @@
+"""The runtime against a real broker (embedded Tansu; apache/kafka too when Docker answers).
+
+Every test starts from empty registry topics (see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from kafka import KafkaProducer, TopicPartition
+
+from infra.kafka import KafkaSettings, make_consumer
+from pipeline.audit import Audit
+from pipeline.launch import build_runner
+from pipeline.runner import Limits, Origin, Processor, Source, SourceIO, WorkerRunner
+from pipeline.settings import ArchiverSettings, RunnerSettings, Settings
+from schemas.base import Event, Producer
+from schemas.codec import decode, encode
+from schemas.dead_letters import DeadLetter
+from schemas.examples import example_events
+from schemas.runs import RunFinished, StopRequested
+from schemas.topics import CONTROL, DEAD_LETTERS, RUNS, TOPICS, TRAJECTORIES, topic_named, topic_of
+from schemas.trajectories import TrajectoryCompleted
+from workers.archiver import Archiver
+
+pytestmark = pytest.mark.integration
+
+WHO = Producer(worker="test", instance="test-0")
+
+
+def settings_for(bootstrap: str, run_dir: Path, **changes: object) -> Settings:
+    return Settings(
+        run_dir=run_dir,
+        run_id="it-run",
+        kafka=KafkaSettings(bootstrap_servers=bootstrap),
+        runner=RunnerSettings(poll_timeout_ms=100, metrics_interval_s=1.0),
+        archiver=ArchiverSettings(flush_rows=50, flush_interval_s=0.3),
+        **changes,
+    )
+
+
+def read_topic(bootstrap: str, name: str, count: int, timeout_s: float = 20.0) -> list:
+    """The first `count` records of every partition of `name`, as kafka-python records (order within partitions)."""
+    consumer = make_consumer(KafkaSettings(bootstrap_servers=bootstrap), client_id="test-reader")
+    try:
+        topic = topic_named(name)
+        partitions = [TopicPartition(name, p) for p in range(topic.partitions)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        records: list = []
+        deadline = time.monotonic() + timeout_s
+        while len(records) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=100).values():
+                records += batch
+        return records
+    finally:
+        consumer.close(autocommit=False)
+
+
+def run_in_thread(runner: WorkerRunner) -> threading.Thread:
+    thread = threading.Thread(target=runner.run, name=f"worker-{runner.producer.worker}", daemon=True)
+    thread.start()
+    return thread
+
+
+class PublishExamples(Source):
+    name = "examples"
+
+    def run(self, io: SourceIO) -> None:
+        for event in example_events("it-run"):
+            io.publish(event)
+        io.commit()
+
+
+def test_every_event_kind_round_trips_through_kafka(kafka_bootstrap, tmp_path):
+    build_runner(PublishExamples, settings_for(kafka_bootstrap, tmp_path)).run()
+    expected = {event.kind: event for event in example_events("it-run")}
+    got: dict[str, Event] = {}
+    for topic in TOPICS:
+        wanted = [kind for kind in topic.kinds if kind in expected]
+        for record in read_topic(kafka_bootstrap, topic.name, len(wanted)):
+            event = decode(topic, record.value)
+            assert record.key == topic.key_bytes(event)
+            assert dict(record.headers)["crl-kind"] == event.kind.encode()
+            got[event.kind] = event
+    assert set(got) == set(expected)
+    for kind, event in expected.items():
+        # event ids and timestamps are fresh per example_events() call; everything else must match exactly
+        assert got[kind].model_dump(exclude={"event_id", "occurred_at"}) == event.model_dump(
+            exclude={"event_id", "occurred_at"}), kind
+
+
+def _trajectory(slot: int) -> TrajectoryCompleted:
+    example = next(e for e in example_events("it-run") if isinstance(e, TrajectoryCompleted))
+    return example.model_copy(update={"slot": slot, "trajectory_id": f"traj-{slot}"})
+
+
+def _poison_records() -> dict[str, bytes]:
+    valid = json.loads(encode(_trajectory(0)))
+    missing = {k: v for k, v in valid.items() if k != "reward"}
+    return {
+        "MalformedPayloadError": b"\xff\xfe definitely not json",
+        "WrongTopicError": encode(StopRequested(run_id="it-run", producer=WHO, reason="wrong topic")),
+        "InvalidEventError:reward: Field required": json.dumps(missing).encode(),
+        "InvalidEventError:reward": json.dumps({**valid, "reward": math.nan}).encode(),
+        "PayloadTooLargeError": b"{" + b" " * (1024 * 1024 + 10) + b"}",
+    }
+
+
+def test_poison_records_reach_dead_letters_within_a_second_while_the_archiver_keeps_archiving(
+    kafka_bootstrap, tmp_path
+):
+    runner = build_runner(Archiver, settings_for(kafka_bootstrap, tmp_path), instance="archiver-it")
+    thread = run_in_thread(runner)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, max_request_size=4 * 1024 * 1024)
+    dead_letter_reader = make_consumer(KafkaSettings(bootstrap_servers=kafka_bootstrap), client_id="dlq-reader")
+    dead_letter_reader.assign([TopicPartition(DEAD_LETTERS.name, 0)])
+    dead_letter_reader.seek_to_beginning()
+    latencies: dict[str, float] = {}
+    letters: dict[str, DeadLetter] = {}
+    try:
+        time.sleep(0.5)  # the archiver is assigned and polling
+        for expected, value in _poison_records().items():
+            sent = time.monotonic()
+            producer.send(TRAJECTORIES.name, key=b"poison", value=value).get(timeout=10)
+            letter = None
+            while letter is None and time.monotonic() - sent < 10:
+                for batch in dead_letter_reader.poll(timeout_ms=20).values():
+                    letter = decode(DEAD_LETTERS, batch[-1].value)
+            latencies[expected] = time.monotonic() - sent
+            assert letter is not None, f"no dead letter for {expected}"
+            letters[expected] = letter
+            # valid events keep flowing between the poison ones
+            valid = _trajectory(len(letters))
+            producer.send(TRAJECTORIES.name, key=b"g", value=encode(valid)).get(timeout=10)
+        assert thread.is_alive(), "the archiver died on poison input"
+        print(f"dead-letter latency per record (s): {json.dumps({k: round(v, 3) for k, v in latencies.items()})}")
+        assert max(latencies.values()) < 1.0, latencies
+        for expected, letter in letters.items():
+            error_class, _, message_part = expected.partition(":")
+            assert letter.error_class == error_class
+            assert message_part in letter.error_message
+            assert letter.source_topic == TRAJECTORIES.name
+            assert letter.raw_size == len(_poison_records()[expected])
+        assert letters["PayloadTooLargeError"].raw_uri is not None  # kept by claim check, not inline
+        deadline = time.monotonic() + 10
+        archived: list = []
+        while time.monotonic() < deadline:
+            with Audit(tmp_path) as audit:
+                _, archived = audit.query("SELECT slot FROM trajectory_completed ORDER BY slot")
+                _, archived_letters = audit.query("SELECT error_class FROM dead_letter ORDER BY error_class")
+            if len(archived) == 5 and len(archived_letters) == 5:
+                break
+            time.sleep(0.2)
+        assert archived == [(1,), (2,), (3,), (4,), (5,)]
+        assert sorted(row[0] for row in archived_letters) == sorted(
+            expected.partition(":")[0] for expected in _poison_records())
+    finally:
+        runner.request_stop("test over")
+        thread.join(timeout=15)
+        producer.close()
+        dead_letter_reader.close()
+    assert not thread.is_alive()
+
+
+class CountStops(Processor):
+    """Group-mode worker: answers each StopRequested with a RunFinished naming the reason."""
+
+    name = "count-stops"
+    inputs = (CONTROL,)
+    consumption = "group"
+
+    def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+        return [RunFinished(run_id=event.run_id, producer=WHO, status="stopped", steps_completed=origin.offset,
+                            reason=event.reason)]
+
+
+def test_consumer_group_resumes_from_committed_offsets_after_a_restart(kafka_bootstrap, tmp_path):
+    settings = settings_for(kafka_bootstrap, tmp_path)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+
+    def send(reasons: list[str]) -> None:
+        for reason in reasons:
+            event = StopRequested(run_id="it-run", producer=WHO, reason=reason)
+            producer.send(CONTROL.name, key=CONTROL.key_bytes(event), value=encode(event))
+        producer.flush()
+
+    send(["a", "b", "c"])
+    first = build_runner(CountStops, settings, instance="count-0", limits=Limits(max_events=3, timeout_s=30)).run()
+    assert first.events_in == 3
+    send(["d", "e"])
+    second = build_runner(CountStops, settings, instance="count-1", limits=Limits(max_events=2, timeout_s=30)).run()
+    assert second.events_in == 2
+    outputs = [decode(RUNS, record.value) for record in read_topic(kafka_bootstrap, RUNS.name, 5)]
+    # exactly once each: the restarted member resumed at the committed offset 3
+    assert [event.reason for event in outputs] == ["a", "b", "c", "d", "e"]
+    assert [event.steps_completed for event in outputs] == [0, 1, 2, 3, 4]
+    producer.close()
+
+
+def test_assign_mode_resumes_from_its_own_sql_offsets(kafka_bootstrap, tmp_path):
+    settings = settings_for(kafka_bootstrap, tmp_path)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for slot in range(20):
+        event = _trajectory(slot)
+        producer.send(TRAJECTORIES.name, key=TRAJECTORIES.key_bytes(event), value=encode(event))
+    producer.flush()
+    first = build_runner(Archiver, settings, instance="a-0", limits=Limits(max_events=20, timeout_s=30)).run()
+    assert first.events_in == 20
+    second = build_runner(Archiver, settings, instance="a-1", limits=Limits(timeout_s=1.5)).run()
+    assert second.events_in == 0  # nothing re-read: positions came from the SQL offset store
+    with Audit(tmp_path) as audit:
+        assert audit.query("SELECT count(*) FROM events")[1] == [(20,)]
+    producer.close()
+
+
+def _archiver_process(bootstrap: str, run_dir: Path, log: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "CRL_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+        "CRL_RUN_DIR": str(run_dir),
+        "CRL_ARCHIVER__FLUSH_ROWS": "40",
+        "CRL_ARCHIVER__FLUSH_INTERVAL_S": "0.2",
+        "CRL_RUNNER__POLL_TIMEOUT_MS": "50",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "worker", "archiver", "--instance", "archiver-kill"],
+        env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    )
+
+
+def test_archiver_killed_mid_stream_and_restarted_archives_exactly_the_produced_events(kafka_bootstrap, tmp_path):
+    total = 3000
+    log = tmp_path / "archiver.out"
+    archiver = _archiver_process(kafka_bootstrap, tmp_path, log)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=5)
+    produced: set[str] = set()
+    killed_after = None
+    try:
+        for slot in range(total):
+            event = _trajectory(slot)
+            produced.add(str(event.event_id))
+            producer.send(TRAJECTORIES.name, key=f"g{slot % 16}".encode(), value=encode(event))
+            if slot % 100 == 99:
+                producer.flush()
+                time.sleep(0.02)
+            segments = list((tmp_path / "archive").glob("*/*.parquet"))
+            if killed_after is None and len(segments) >= 5:
+                archiver.send_signal(signal.SIGKILL)  # mid-stream, no chance to flush or commit
+                archiver.wait(timeout=10)
+                killed_after = slot
+                archiver = _archiver_process(kafka_bootstrap, tmp_path, log)
+        producer.flush()
+        assert killed_after is not None and killed_after < total - 100, "the archiver was not killed mid-stream"
+        deadline = time.monotonic() + 60
+        ids: list = []
+        while time.monotonic() < deadline:
+            with Audit(tmp_path) as audit:
+                _, ids = audit.query("SELECT event_id FROM events")
+            if len(ids) >= total:
+                break
+            time.sleep(0.5)
+        with Audit(tmp_path) as audit:
+            _, raw_rows = audit.query(f"SELECT count(*) FROM read_parquet('{tmp_path / 'archive'}/*/*.parquet')")
+        print(f"killed after {killed_after} events; raw archived rows {raw_rows[0][0]}, distinct {len(ids)}")
+        assert len(ids) == total
+        assert {row[0] for row in ids} == produced
+    finally:
+        producer.close()
+        archiver.send_signal(signal.SIGTERM)
+        try:
+            archiver.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            archiver.kill()
+    assert archiver.returncode == 0, log.read_text()[-3000:]
