@@ -260,6 +260,8 @@ def worker(
                               limits=Limits(max_events=max_events, timeout_s=timeout))
         runner.install_signal_handlers()
         metrics = runner.run()
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from exc
     except PipelineError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from exc
     console.print(f"{name} stopped ({runner.stop_reason or 'finished'}): {json.dumps(metrics.snapshot())}")

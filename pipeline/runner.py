@@ -244,7 +244,7 @@ class WorkerRunner:
         """The record's event, or None after publishing a dead letter for it."""
         try:
             return decode(topic_named(record.topic), record.value, self.max_payload_bytes)
-        except (EventDecodeError, KeyError) as exc:
+        except Exception as exc:  # EventDecodeError, an unknown topic, or anything else: never crash on input
             self.publish_dead_letter(record, exc)
             return None
 

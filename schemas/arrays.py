@@ -67,7 +67,8 @@ def _floats(value: Any, dtype: str) -> tuple[float, ...]:
             raise ValueError("expected a flat sequence of numbers")
     if not np.all(np.isfinite(array)):
         raise ValueError("NaN or infinite values are not allowed")
-    quantised = array.astype(dtype)
+    with np.errstate(over="ignore"):  # overflow is reported below as a validation error
+        quantised = array.astype(dtype)
     if not np.all(np.isfinite(quantised)):
         raise ValueError(f"values overflow {dtype}")
     return tuple(quantised.astype(np.float64).tolist())
@@ -118,7 +119,7 @@ class EmbeddingVector(BaseModel):
 
     @classmethod
     def from_array(cls, model: str, vector: np.ndarray) -> EmbeddingVector:
-        flat = np.asarray(vector, dtype=np.float32).reshape(-1)
+        flat = np.asarray(vector, dtype=np.float64).reshape(-1)  # one rounding only: to float16 in the validator
         return cls(model=model, dim=int(flat.size), data=tuple(flat.tolist()))
 
     def to_numpy(self) -> np.ndarray:

@@ -68,11 +68,13 @@ def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOA
         raise PayloadTooLargeError(f"record is {len(data)} bytes, over the {max_bytes}-byte payload cap")
     try:
         payload = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedPayloadError(f"not a JSON document: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, integers past Python's digit limit, deep nesting
+        raise MalformedPayloadError(f"not a JSON document: {type(exc).__name__}: {exc}") from exc
     if not isinstance(payload, dict):
         raise MalformedPayloadError(f"expected a JSON object, got {type(payload).__name__}")
     kind = payload.get("kind")
+    if not isinstance(kind, str):
+        raise WrongTopicError(f"'kind' must be a string naming the event, got {kind!r:.80}")
     if kind not in topic.kinds:
         where = f"; it belongs on {TOPIC_OF_KIND[kind].name}" if kind in TOPIC_OF_KIND else ""
         raise WrongTopicError(

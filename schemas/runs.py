@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.base import Event, Id, NonNegativeInt
 
@@ -16,6 +17,16 @@ class RunStarted(Event):
     schema_version: Literal[1] = 1
     config: dict[str, Any] = Field(description="The fully resolved run config (JSON-serialisable).")
     code_version: str = Field(min_length=1, description="Git commit (plus '-dirty') or package version.")
+
+    @field_validator("config")
+    @classmethod
+    def _strict_json(cls, config: dict[str, Any]) -> dict[str, Any]:
+        # NaN / inf would be written as null and the config would not replay as it was run.
+        try:
+            json.dumps(config, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config must be plain JSON without NaN or infinity: {exc}") from exc
+        return config
 
 
 class RunFinished(Event):

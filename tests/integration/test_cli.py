@@ -1,0 +1,154 @@
+"""`crl` as a user runs it: real subprocesses, a real embedded broker, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kafka import KafkaProducer
+
+from schemas.codec import encode
+from schemas.examples import example_events
+from schemas.topics import EVENT_TYPES, TOPICS, topic_of
+
+pytestmark = pytest.mark.integration
+
+CRL = [sys.executable, "-m", "pipeline.cli"]
+
+
+def crl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    return subprocess.run([*CRL, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**clean, "COLUMNS": "200", **(env or {})})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is dead for our purposes
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"
+
+
+def test_doctor_embedded_passes_every_check():
+    result = crl("doctor", "--embedded")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "broker reachable" in out
+    for topic in TOPICS:
+        assert f"topic {topic.name}" in out
+    for kind in EVENT_TYPES:
+        assert f"round trip {kind}" in out
+    for check in ("SQL SQLite", "embedding model", "NLE / MiniHack"):
+        assert check in out
+    checks = 1 + len(TOPICS) + len(EVENT_TYPES) + 3
+    assert f"{checks} passed, 0 failed" in out
+
+
+def test_doctor_checks_postgresql_when_configured_and_fails_on_a_bad_url(postgres_url):
+    good = crl("doctor", "--embedded", env={"CRL_DB__URL": postgres_url})
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "SQL CRL_DB__URL" in good.stdout and "postgresql" in good.stdout
+    bad = crl("doctor", "--embedded", env={"CRL_DB__URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
+    assert bad.returncode == 1
+    assert "1 failed" in bad.stdout
+
+
+def test_doctor_without_a_broker_fails_with_the_reason(tmp_path):
+    result = crl("doctor", "--run-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert "no broker" in result.stdout
+
+
+def test_stack_up_worker_and_audit_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    stack = subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    broker_file = run_dir / "broker.json"
+    try:
+        deadline = time.monotonic() + 30
+        while not broker_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert broker_file.exists(), "stack up wrote no broker.json"
+        broker = json.loads(broker_file.read_text())
+        described = crl("topics", "describe", "--run-dir", str(run_dir))
+        assert described.returncode == 0, described.stdout + described.stderr
+        assert "crl.trajectories" in described.stdout
+        producer = KafkaProducer(bootstrap_servers=broker["bootstrap_servers"])
+        events = example_events("cli-run")
+        for event in events:
+            topic = topic_of(event)
+            producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
+        producer.send("crl.trajectories", value=b"not an event")
+        producer.close()
+        # every example, the garbage record, and the dead letter the archiver itself wrote for that record
+        worker = crl("worker", "archiver", "--run-dir", str(run_dir), "--max-events", str(len(events) + 2),
+                     "--timeout", "60")
+        assert worker.returncode == 0, worker.stdout + worker.stderr
+        assert "max_events=17 reached" in worker.stdout
+        counts = crl("audit", "sql", str(run_dir), "SELECT kind, count(*) AS n FROM events GROUP BY kind",
+                     "--format", "json")
+        assert counts.returncode == 0, counts.stderr
+        rows = {row["kind"]: row["n"] for row in map(json.loads, counts.stdout.splitlines())}
+        assert rows == {**{kind: 1 for kind in EVENT_TYPES}, "DeadLetter": 2}
+        listed = crl("audit", "events", str(run_dir), "--kind", "PolicyPublished", "--limit", "5")
+        assert listed.returncode == 0 and "PolicyPublished" in listed.stdout and "1 rows" in listed.stdout
+        assert list((run_dir / "logs").glob("*.log")), "worker and broker logs belong in the run dir"
+        assert list((run_dir / "metrics").glob("*.jsonl"))
+    finally:
+        stack.send_signal(signal.SIGINT)
+        output, _ = stack.communicate(timeout=20)
+    assert stack.returncode == 0, output
+    assert "broker stopped" in output
+    assert not broker_file.exists()
+    assert not _alive(broker["pid"])
+
+
+def test_broker_dies_with_its_parent(tmp_path):
+    stack = subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(tmp_path)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    broker_file = tmp_path / "broker.json"
+    deadline = time.monotonic() + 30
+    while not broker_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = json.loads(broker_file.read_text())["pid"]
+    assert _alive(pid)
+    stack.kill()  # SIGKILL: no cleanup code runs in the parent
+    stack.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the Tansu child outlived its killed parent"
+
+
+def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
+    unknown = crl("worker", "nope", "--run-dir", str(tmp_path))
+    assert unknown.returncode == 2
+    assert "unknown worker 'nope'" in unknown.stderr and "archiver" in unknown.stderr
+    no_broker = crl("worker", "archiver", "--run-dir", str(tmp_path))
+    assert no_broker.returncode == 2 and "no broker" in no_broker.stderr
+    invalid = crl("doctor", env={"CRL_MAX_PAYLOAD_BYTES": "-1", "CRL_KAFKA__ACKS": "some"})
+    assert invalid.returncode == 2
+    assert "CRL_MAX_PAYLOAD_BYTES" in invalid.stderr and "CRL_KAFKA__ACKS" in invalid.stderr
+    write = crl("audit", "sql", str(tmp_path), "DELETE FROM events")
+    assert write.returncode == 1 and "only SELECT / EXPLAIN" in write.stderr
+
+
+def test_every_command_has_help_text():
+    for command in (["--help"], ["topics", "--help"], ["topics", "create", "--help"], ["topics", "list", "--help"],
+                    ["topics", "describe", "--help"], ["stack", "up", "--help"], ["worker", "--help"],
+                    ["doctor", "--help"], ["audit", "sql", "--help"], ["audit", "events", "--help"]):
+        result = crl(*command)
+        assert result.returncode == 0, command
+        assert "Usage" in result.stdout
+    top = crl("--help").stdout
+    for name in ("topics", "stack", "worker", "doctor", "audit"):
+        assert name in top

@@ -1,0 +1,177 @@
+"""Imports flow `schemas <- infra <- pipeline <- workers`, and `schemas` does no I/O (STYLE.md, convention 1).
+
+Static check: every .py file of the four packages is parsed with `ast`; every `import x`, `from x import y`
+(relative ones resolved), `importlib.import_module("x")` and `__import__("x")` counts, wherever it stands: module
+level, inside functions, under `if TYPE_CHECKING:`. Violations are reported as `file:line imports X`.
+
+Run: pytest tests/unit/test_import_flow.py
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("schemas", "infra", "pipeline", "workers")
+
+FORBIDDEN_IMPORTS: dict[str, frozenset[str]] = {
+    "schemas": frozenset({"pipeline", "workers", "infra"}),
+    "infra": frozenset({"pipeline", "workers"}),
+    "pipeline": frozenset({"workers"}),
+}
+
+IO_MODULES = frozenset({
+    "os", "io", "socket", "subprocess", "pathlib", "kafka", "sqlalchemy", "duckdb", "requests", "urllib",
+    # Same intent, other spellings.
+    "shutil", "tempfile", "sqlite3", "http", "httpx", "aiokafka", "confluent_kafka", "psycopg", "psycopg2",
+})
+FILE_CALLS = frozenset({"open", "read_text", "write_text", "read_bytes", "write_bytes"})
+
+
+@dataclass(frozen=True)
+class ImportSite:
+    file: str
+    line: int
+    package: str
+    """Top-level package name, e.g. `pipeline` for `from pipeline.runner import Runner`."""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} imports {self.package}"
+
+
+def _package_of(file: str) -> list[str]:
+    """`schemas/codec.py` -> ["schemas"]; `infra/migrations/env.py` -> ["infra", "migrations"]."""
+    return Path(file).with_suffix("").parts[:-1]
+
+
+def imports_in(source: str, file: str) -> list[ImportSite]:
+    """Every import in `source` (the text of `file`, a path relative to the repository root)."""
+    sites: list[ImportSite] = []
+    package = list(_package_of(file))
+    for node in ast.walk(ast.parse(source, filename=file)):
+        if isinstance(node, ast.Import):
+            sites += [ImportSite(file, node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                sites.append(ImportSite(file, node.lineno, (node.module or "").split(".")[0]))
+                continue
+            base = package[: len(package) - (node.level - 1)]
+            parts = base + (node.module.split(".") if node.module else [])
+            if parts:
+                sites.append(ImportSite(file, node.lineno, parts[0]))
+            else:  # `from .. import x` at the top of the tree: each name is a top-level package
+                sites += [ImportSite(file, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            target = node.args[0].value
+            if name in {"import_module", "__import__"} and isinstance(target, str) and not target.startswith("."):
+                sites.append(ImportSite(file, node.lineno, target.split(".")[0]))
+    return sites
+
+
+def file_calls_in(source: str, file: str) -> list[str]:
+    """`file:line calls open(` for every call of open / Path.read_text / ... in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=file)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in FILE_CALLS:
+                found.append((node.lineno, name))
+    return [f"{file}:{line} calls {name}(" for line, name in sorted(found)]
+
+
+def violations(sites: list[ImportSite], forbidden: frozenset[str]) -> list[str]:
+    ordered = sorted(sites, key=lambda site: (site.file, site.line, site.package))
+    return [str(site) for site in ordered if site.package in forbidden]
+
+
+def sources_of(package: str) -> dict[str, str]:
+    """{relative path: source} for every .py file under `package`."""
+    return {
+        path.relative_to(REPO_ROOT).as_posix(): path.read_text(encoding="utf-8")
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+    }
+
+
+def imports_of(package: str) -> list[ImportSite]:
+    return [site for file, source in sources_of(package).items() for site in imports_in(source, file)]
+
+
+# --- the checker itself ------------------------------------------------------------------------------------------
+
+
+def test_checker_reports_a_forbidden_import_with_file_and_line() -> None:
+    source = "import numpy\nfrom pipeline.runner import Runner\n"
+    sites = imports_in(source, "schemas/fake.py")
+    assert violations(sites, FORBIDDEN_IMPORTS["schemas"]) == ["schemas/fake.py:2 imports pipeline"]
+
+
+def test_checker_sees_imports_in_functions_type_checking_relative_and_dynamic() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    import workers.archiver\n"
+        "def f():\n"
+        "    from infra import db\n"
+        "from ..pipeline import errors\n"
+        "from .. import workers\n"
+        "from . import base\n"
+        "import importlib\n"
+        "importlib.import_module('infra.kafka')\n"
+        "__import__('pipeline')\n"
+    )
+    sites = imports_in(source, "schemas/fake.py")
+    assert violations(sites, FORBIDDEN_IMPORTS["schemas"]) == [
+        "schemas/fake.py:3 imports workers",
+        "schemas/fake.py:5 imports infra",
+        "schemas/fake.py:6 imports pipeline",
+        "schemas/fake.py:7 imports workers",
+        "schemas/fake.py:10 imports infra",
+        "schemas/fake.py:11 imports pipeline",
+    ]
+    assert ImportSite("schemas/fake.py", 8, "schemas") in sites
+
+
+def test_checker_reports_file_calls() -> None:
+    source = "import json\ndef load(p):\n    with open(p) as f:\n        return json.load(f)\nx = P.read_text()\n"
+    assert file_calls_in(source, "schemas/fake.py") == ["schemas/fake.py:3 calls open(",
+                                                        "schemas/fake.py:5 calls read_text("]
+
+
+def test_checker_reports_io_modules() -> None:
+    source = "import os.path\nfrom urllib.request import urlopen\nimport json\n"
+    assert violations(imports_in(source, "schemas/fake.py"), IO_MODULES) == [
+        "schemas/fake.py:1 imports os",
+        "schemas/fake.py:2 imports urllib",
+    ]
+
+
+# --- the repository ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_has_parsed_files(package: str) -> None:
+    files = sources_of(package)
+    assert files, f"no .py files under {package}/"
+    assert f"{package}/__init__.py" in files
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
+def test_imports_flow_one_way(package: str) -> None:
+    assert imports_of(package), f"found no imports in {package}/ at all"
+    assert violations(imports_of(package), FORBIDDEN_IMPORTS[package]) == []
+
+
+def test_schemas_imports_no_io_modules() -> None:
+    assert violations(imports_of("schemas"), IO_MODULES) == []
+
+
+def test_schemas_opens_no_files() -> None:
+    found = [call for file, source in sources_of("schemas").items() for call in file_calls_in(source, file)]
+    assert found == []
