@@ -12,6 +12,7 @@ the newest revision in `infra/migrations/versions` and is safe to call from many
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,21 @@ def database_url(settings: DbSettings, run_dir: Path) -> str:
 def _configure_sqlite_connection(dbapi_connection: Any, connection_record: Any) -> None:
     # Several worker processes share one SQLite file: WAL lets readers run beside the single writer, and the busy
     # timeout makes a writer wait for the lock instead of failing at once with "database is locked".
+    # isolation_level=None stops Python's sqlite3 from opening (and silently committing) transactions on its own;
+    # `_begin_immediate` opens every SQLAlchemy transaction instead, so DDL is transactional too.
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     # SQLite ignores foreign keys unless asked, per connection.
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def _begin_immediate(connection: Connection) -> None:
+    # Take the write lock when the transaction starts. A deferred transaction that reads and then writes must upgrade
+    # its lock, and SQLite answers a contended upgrade with SQLITE_BUSY at once, without honouring the busy timeout.
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_engine(url: str, echo: bool = False) -> Engine:
@@ -92,6 +102,7 @@ def make_engine(url: str, echo: bool = False) -> Engine:
         Path(database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(parsed, echo=echo)
     event.listen(engine, "connect", _configure_sqlite_connection)
+    event.listen(engine, "begin", _begin_immediate)
     return engine
 
 
@@ -126,27 +137,27 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+# Alembic keeps the running migration in a process-global proxy (`alembic.context`), so two threads must not migrate
+# at once; processes are kept apart by the database lock below.
+_ALEMBIC_IN_PROCESS = threading.Lock()
+
+
 def _lock_migrations(connection: Connection) -> None:
     # Many workers start at once and each calls migrate(); without a lock two of them can both see an empty schema
-    # and both run CREATE TABLE. The lock lasts until the surrounding transaction ends.
-    dialect = connection.dialect.name
-    if dialect == "postgresql":
+    # and both run CREATE TABLE. On SQLite the transaction already holds the write lock (BEGIN IMMEDIATE). The
+    # PostgreSQL advisory lock lasts until the surrounding transaction ends.
+    if connection.dialect.name == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
-    elif dialect == "sqlite":
-        # Taking the write lock before Alembic reads the version table makes a second process wait here (busy
-        # timeout) and then find the schema already at head; Python's sqlite3 would otherwise run the reads and the
-        # DDL outside any transaction.
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def migrate(engine: Engine) -> str:
     """Upgrade the database to the newest migration and return the revision it is at (e.g. "0001").
 
-    Idempotent, and safe to run from several processes at once: the whole upgrade is one transaction holding a
-    migration lock (a PostgreSQL transaction-level advisory lock, or SQLite's write lock).
+    Idempotent, and safe to run from several processes and threads at once: the whole upgrade is one transaction
+    holding a migration lock (a PostgreSQL transaction-level advisory lock, or SQLite's write lock).
     """
-    with engine.begin() as connection:
-        pass
+    with _ALEMBIC_IN_PROCESS, engine.begin() as connection:
+        _lock_migrations(connection)
         command.upgrade(alembic_config(connection), "head")
         revision = MigrationContext.configure(connection).get_current_revision()
     if revision is None:

@@ -108,7 +108,7 @@ def _recreate_topics(bootstrap: str) -> None:
         admin.close()
 
 
-@pytest.fixture(params=["tansu", "apache-kafka"])
+@pytest.fixture(params=["tansu", pytest.param("apache-kafka", marks=pytest.mark.docker)])
 def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
     """A real broker with every registry topic created and empty."""
     if request.param == "tansu":

@@ -8,6 +8,8 @@ Every test taking `db_engine` runs twice, on a SQLite file and on PostgreSQL (se
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -226,3 +228,19 @@ def test_saving_nothing_writes_nothing(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
     store.save({})
     assert store.load() == {}
+
+
+def test_concurrent_migrations_from_separate_processes(db_engine: Engine) -> None:
+    # Real worker processes, each with its own Alembic and its own connection, racing to migrate one database.
+    url = db_engine.url.render_as_string(hide_password=False)
+    script = "import sys; from infra.db import make_engine, migrate; print(migrate(make_engine(sys.argv[1])))"
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=Path(__file__).resolve().parents[2])
+        for _ in range(4)
+    ]
+    outcomes = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0] * 4, [err for _, err in outcomes]
+    assert [out.strip() for out, _ in outcomes] == [HEAD] * 4
+    with db_engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
