@@ -6,7 +6,12 @@ From code, `infra.db.migrate(engine)` builds the config and hands its open conne
 From the command line there is no `alembic.ini`; give Alembic the script location and the database with `-x url=...`
 (run from the repository root, so that `infra` is importable):
 
-    printf '[alembic]\\nscript_location = infra/migrations\\nprepend_sys_path = .\\npath_separator = os\\n' > /tmp/crl-alembic.ini
+    cat > /tmp/crl-alembic.ini <<'EOF'
+    [alembic]
+    script_location = infra/migrations
+    prepend_sys_path = .
+    path_separator = os
+    EOF
     alembic -c /tmp/crl-alembic.ini -x url=sqlite:///runs/demo/crl.sqlite3 upgrade head
     alembic -c /tmp/crl-alembic.ini -x url=postgresql+psycopg://user@host:5432/db current
     alembic -c /tmp/crl-alembic.ini -x url=sqlite:///runs/demo/crl.sqlite3 upgrade head --sql   # print the SQL only

@@ -224,14 +224,16 @@ def test_assign_mode_resumes_from_its_own_sql_offsets(kafka_bootstrap, tmp_path)
     producer.close()
 
 
-def _archiver_process(bootstrap: str, run_dir: Path, log: Path) -> subprocess.Popen:
+def _archiver_process(bootstrap: str, run_dir: Path, log: Path, flush_rows: int = 40,
+                      flush_interval_s: float = 0.2) -> subprocess.Popen:
     env = {
         **os.environ,
         "CRL_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "CRL_RUN_DIR": str(run_dir),
-        "CRL_ARCHIVER__FLUSH_ROWS": "40",
-        "CRL_ARCHIVER__FLUSH_INTERVAL_S": "0.2",
+        "CRL_ARCHIVER__FLUSH_ROWS": str(flush_rows),
+        "CRL_ARCHIVER__FLUSH_INTERVAL_S": str(flush_interval_s),
         "CRL_RUNNER__POLL_TIMEOUT_MS": "50",
+        "CRL_RUNNER__METRICS_INTERVAL_S": "0.2",
     }
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "worker", "archiver", "--instance", "archiver-kill"],
@@ -283,3 +285,35 @@ def test_archiver_killed_mid_stream_and_restarted_archives_exactly_the_produced_
         except subprocess.TimeoutExpired:
             archiver.kill()
     assert archiver.returncode == 0, log.read_text()[-3000:]
+
+
+def test_sigterm_flushes_buffered_events_and_commits_before_exit(kafka_bootstrap, tmp_path):
+    log = tmp_path / "archiver.out"
+    env_process = _archiver_process(kafka_bootstrap, tmp_path, log, flush_rows=10_000, flush_interval_s=600)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    try:
+        time.sleep(1.0)
+        for slot in range(25):  # fewer than a segment's rows: only the stop path can flush them
+            event = _trajectory(slot)
+            producer.send(TRAJECTORIES.name, key=TRAJECTORIES.key_bytes(event), value=encode(event))
+        producer.flush()
+        deadline = time.monotonic() + 15
+        metrics = tmp_path / "metrics" / "archiver-kill.jsonl"
+        while time.monotonic() < deadline:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if lines and json.loads(lines[-1])["events_in"] >= 25:
+                break
+            time.sleep(0.1)
+        assert not list((tmp_path / "archive").glob("*/*.parquet")), "segments were written before the stop"
+        env_process.send_signal(signal.SIGTERM)
+        env_process.wait(timeout=20)
+    finally:
+        producer.close()
+    assert env_process.returncode == 0, log.read_text()[-3000:]
+    assert "stop requested: SIGTERM" in (tmp_path / "logs" / "archiver-kill.log").read_text()
+    with Audit(tmp_path) as audit:
+        assert audit.query("SELECT count(*) FROM trajectory_completed")[1] == [(25,)]
+    # The positions were committed with the flush: a restart reads nothing again.
+    again = build_runner(Archiver, settings_for(kafka_bootstrap, tmp_path), instance="after-stop",
+                         limits=Limits(timeout_s=1.5)).run()
+    assert again.events_in == 0

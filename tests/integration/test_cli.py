@@ -152,3 +152,17 @@ def test_every_command_has_help_text():
     top = crl("--help").stdout
     for name in ("topics", "stack", "worker", "doctor", "audit"):
         assert name in top
+
+
+def test_topics_create_then_doctor_against_an_external_broker(tansu):
+    env = {"CRL_KAFKA__BOOTSTRAP_SERVERS": tansu.bootstrap_servers}
+    before = crl("doctor", env=env)
+    assert before.returncode == 1 and "missing: run `crl topics create`" in before.stdout
+    created = crl("topics", "create", env=env)
+    assert created.returncode == 0, created.stderr
+    assert created.stdout.count("created") == len(TOPICS)
+    again = crl("topics", "create", env=env)
+    assert again.stdout.count("exists") == len(TOPICS)  # idempotent
+    after = crl("doctor", env=env)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert f"Kafka at {tansu.bootstrap_servers}" in after.stdout

@@ -85,7 +85,8 @@ def test_downgrade_drops_the_table_and_migrate_restores_it(migrated_engine: Engi
 
 
 def test_concurrent_migrations_all_reach_head(db_engine: Engine) -> None:
-    # Separate engines stand for separate worker processes starting at the same moment.
+    # Threads of one process, each with its own engine: Alembic's process-global context must not be shared by two
+    # migrations at once (separate processes are tested below).
     engines = [make_engine(db_engine.url.render_as_string(hide_password=False)) for _ in range(4)]
     start = threading.Barrier(len(engines))
     revisions: list[str] = []
