@@ -102,14 +102,22 @@ def make_producer(settings: KafkaSettings, client_id: str | None = None) -> Kafk
     )
 
 
-def make_consumer(settings: KafkaSettings, group_id: str | None = None, client_id: str | None = None) -> KafkaConsumer:
-    """A consumer that never auto-commits: the worker runner commits after its outputs are flushed."""
+def make_consumer(
+    settings: KafkaSettings,
+    group_id: str | None = None,
+    client_id: str | None = None,
+    auto_offset_reset: Literal["earliest", "none"] = "earliest",
+) -> KafkaConsumer:
+    """A consumer that never auto-commits: the worker runner commits after its outputs are flushed.
+
+    `auto_offset_reset="none"` makes a position outside the log an error instead of a silent jump (assign mode).
+    """
     return KafkaConsumer(
         **settings.security(),
         client_id=client_id or settings.client_id,
         group_id=group_id,
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
+        auto_offset_reset=auto_offset_reset,
         max_poll_records=settings.max_poll_records,
         fetch_max_bytes=settings.fetch_max_bytes,
         max_partition_fetch_bytes=settings.max_partition_fetch_bytes,

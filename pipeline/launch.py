@@ -90,8 +90,8 @@ def build_runner(
             input_log = KafkaGroupInput(make_consumer(kafka, group_id=f"crl-{worker_class.name}", client_id=instance),
                                         names)
         else:
-            input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance), names,
-                                           worker.offset_store(context))
+            input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance, auto_offset_reset="none"),
+                                           names, worker.offset_store(context))
     return WorkerRunner(
         worker,
         input_log=input_log,

@@ -171,6 +171,7 @@ class WorkerRunner:
         self.limits = limits
         self.metrics = WorkerMetrics()
         self.positions: dict[Position, int] = {}
+        self._uncommitted = False  # records handled since the last commit
         self.stop_reason: str | None = None
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
@@ -345,8 +346,6 @@ class WorkerRunner:
         )
 
     # -- commits --------------------------------------------------------------------------------------------------
-
-    _uncommitted: bool = False
 
     def commit(self) -> None:
         """Durable state, then every output acknowledged, then the input positions. Never the other way round."""

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, OffsetOutOfRangeError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.errors import ConfigError, RetryableError, WorkerFailedError
@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 
 Position = tuple[str, int]
 """(topic, partition)."""
+
+_STALE_POSITIONS = (
+    "the broker no longer has the records these positions were saved against (the embedded broker keeps records in"
+    " memory only, so a restarted one starts empty). Use a new run directory for a new broker, or remove this"
+    " worker's rows from the consumer_offsets table to read the log from the start."
+)
 
 
 @dataclass(frozen=True)
@@ -166,16 +172,39 @@ class KafkaAssignedInput:
             partitions += [TopicPartition(name, p) for p in sorted(found)]
         consumer.assign(partitions)
         stored = offsets.load()
+        self._unverified: dict[TopicPartition, int] = {}
         for tp in partitions:
             position = stored.get((tp.topic, tp.partition))
             if position is None:
                 consumer.seek_to_beginning(tp)
             else:
                 consumer.seek(tp, position)
+                self._unverified[tp] = position
         log.info("assigned %d partitions; resuming %d from stored offsets", len(partitions), len(stored))
 
     def poll(self, timeout_ms: int) -> list[Record]:
-        return _records(self.consumer.poll(timeout_ms=timeout_ms))
+        try:
+            records = _records(self.consumer.poll(timeout_ms=timeout_ms))
+        except OffsetOutOfRangeError as exc:
+            raise ConfigError(f"a stored position lies outside the log ({exc}); {_STALE_POSITIONS}") from exc
+        if self._unverified:
+            self._check_positions_inside_log()
+        return records
+
+    def _check_positions_inside_log(self) -> None:
+        # Tansu answers a fetch past the end with nothing rather than OFFSET_OUT_OF_RANGE, so a stale position
+        # would wait silently while the new log's first records go unread. Compare with the high watermark the
+        # first fetch response reports instead.
+        for tp, position in list(self._unverified.items()):
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            if position > high:
+                raise ConfigError(
+                    f"{tp.topic}[{tp.partition}]: the stored position {position} is past the end of the log ({high});"
+                    f" {_STALE_POSITIONS}"
+                )
+            del self._unverified[tp]
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if positions:
