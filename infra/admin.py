@@ -43,6 +43,11 @@ def existing_partition_counts(admin: KafkaAdminClient) -> dict[str, int]:
     return {item["name"]: len(item["partitions"]) for item in admin.describe_topics(names)}
 
 
+def topic_ids(admin: KafkaAdminClient, names: Iterable[str]) -> dict[str, str]:
+    """The Kafka topic id of each topic: a new one at every creation, so it names one log's incarnation."""
+    return {item["name"]: str(item["topic_id"]) for item in admin.describe_topics(list(names))}
+
+
 def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> dict[str, str]:
     """Create every topic that is missing. Returns `{name: "created" | "exists"}`; raises `TopicMismatchError`."""
     topics = list(topics)

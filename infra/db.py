@@ -122,6 +122,9 @@ consumer_offsets = Table(
     Column("partition", Integer, nullable=False),
     # The offset of the next record to read: one past the last record whose outputs were flushed.
     Column("next_offset", BigInteger, nullable=False),
+    # Which log the offset counts in: the Kafka topic id, new at every topic creation. A restarted embedded broker
+    # (memory only) or a re-created topic is a new log, in which an old offset means nothing.
+    Column("log_id", String(64), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
     PrimaryKeyConstraint("worker", "topic", "partition", name="pk_consumer_offsets"),
 )

@@ -107,7 +107,7 @@ class Audit:
             pattern = _sql_string(str(self.root / "*" / "*.parquet"))
             source = (
                 "SELECT * EXCLUDE (payload, duplicate_rank), payload::JSON AS payload FROM ("
-                "SELECT *, row_number() OVER (PARTITION BY event_id ORDER BY topic, partition, \"offset\")"
+                "SELECT *, row_number() OVER (PARTITION BY event_id ORDER BY topic, partition, log_id, \"offset\")"
                 f" AS duplicate_rank FROM read_parquet({pattern}, union_by_name = true)"
                 ") WHERE duplicate_rank = 1"
             )

@@ -16,7 +16,8 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from infra.db import database_url, make_engine, migrate
-from infra.kafka import make_consumer, make_producer
+from infra.admin import topic_ids
+from infra.kafka import make_admin, make_consumer, make_producer
 from pipeline.blobs import BlobStore
 from pipeline.errors import ConfigError
 from pipeline.offsets import SqlOffsetStore
@@ -86,12 +87,17 @@ def build_runner(
     input_log: InputLog | None = None
     if worker_class.inputs:
         names = [topic.name for topic in worker_class.inputs]
+        admin = make_admin(kafka, client_id=instance)
+        try:
+            log_ids = topic_ids(admin, names)
+        finally:
+            admin.close()
         if worker_class.consumption == "group":
             input_log = KafkaGroupInput(make_consumer(kafka, group_id=f"crl-{worker_class.name}", client_id=instance),
-                                        names)
+                                        names, log_ids)
         else:
             input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance, auto_offset_reset="none"),
-                                           names, worker.offset_store(context))
+                                           names, worker.offset_store(context), log_ids)
     return WorkerRunner(
         worker,
         input_log=input_log,

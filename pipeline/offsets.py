@@ -7,17 +7,19 @@ the broker, so a crash between the flush and the save replays those records: del
 handlers downstream must be idempotent.
 
     store = SqlOffsetStore(engine, worker="bank-0")
-    positions = store.load()                       # {("crl.experience-ops", 0): 1234}
-    store.save({("crl.experience-ops", 0): 1300})  # after the outputs up to offset 1299 are flushed
+    positions = store.load()    # {("crl.experience-ops", 0): LogPosition(next_offset=1234, log_id="01a2...")}
+    store.save({("crl.experience-ops", 0): LogPosition(1300, "01a2...")})  # after outputs up to 1299 are flushed
 
-Saving is one transaction over all given partitions, and a position never moves backwards: a lower offset than the
-stored one raises `ValueError` and nothing of that save is written.
+Each position names the log it counts in (`log_id`, the Kafka topic id). Saving is one transaction over all given
+partitions, and a position never moves backwards within one log: a lower offset than the stored one in the same log
+raises `ValueError` and nothing of that save is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -26,6 +28,13 @@ from infra.db import consumer_offsets
 
 TopicPartition = tuple[str, int]
 """A Kafka partition as (topic name, partition number)."""
+
+
+class LogPosition(NamedTuple):
+    """The next offset to read, and the log (Kafka topic id) it counts in."""
+
+    next_offset: int
+    log_id: str
 
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
@@ -41,20 +50,24 @@ class SqlOffsetStore:
         self.worker = worker
         self._insert = _INSERTS[dialect]
 
-    def load(self) -> dict[TopicPartition, int]:
-        """Return this worker's next offset per (topic, partition); partitions it never saved are absent."""
-        query = select(consumer_offsets.c.topic, consumer_offsets.c.partition, consumer_offsets.c.next_offset).where(
-            consumer_offsets.c.worker == self.worker
+    def load(self) -> dict[TopicPartition, LogPosition]:
+        """Return this worker's position per (topic, partition); partitions it never saved are absent."""
+        columns = consumer_offsets.c
+        query = select(columns.topic, columns.partition, columns.next_offset, columns.log_id).where(
+            columns.worker == self.worker
         )
         with self.engine.connect() as connection:
-            return {(topic, partition): next_offset for topic, partition, next_offset in connection.execute(query)}
+            return {
+                (topic, partition): LogPosition(next_offset, log_id)
+                for topic, partition, next_offset, log_id in connection.execute(query)
+            }
 
-    def save(self, positions: Mapping[TopicPartition, int]) -> None:
+    def save(self, positions: Mapping[TopicPartition, LogPosition]) -> None:
         """Store the next offset of every given partition in one transaction; other partitions keep theirs.
 
         Raises `ValueError`, writing none of `positions`, if an offset is negative or lower than the stored one.
         """
-        for (topic, partition), next_offset in positions.items():
+        for (topic, partition), (next_offset, _log_id) in positions.items():
             if next_offset < 0:
                 raise ValueError(f"topic {topic!r} partition {partition}: next offset must be >= 0, got {next_offset}")
         if not positions:
@@ -62,19 +75,26 @@ class SqlOffsetStore:
         updated_at = datetime.now(UTC)
         with self.engine.begin() as connection:
             # A fixed row order keeps two concurrent saves from locking the same rows in opposite orders (deadlock).
-            for (topic, partition), next_offset in sorted(positions.items()):
-                self._upsert(connection, topic, partition, next_offset, updated_at)
+            for (topic, partition), position in sorted(positions.items()):
+                self._upsert(connection, topic, partition, position, updated_at)
 
-    def _upsert(self, connection: Connection, topic: str, partition: int, next_offset: int, at: datetime) -> None:
+    def _upsert(self, connection: Connection, topic: str, partition: int, position: LogPosition, at: datetime) -> None:
+        next_offset = position.next_offset
         insert = self._insert(consumer_offsets).values(
-            worker=self.worker, topic=topic, partition=partition, next_offset=next_offset, updated_at=at
+            worker=self.worker, topic=topic, partition=partition, next_offset=next_offset, log_id=position.log_id,
+            updated_at=at,
         )
         # The "not backwards" test sits in the upsert's WHERE so check and write are one statement, with no window
-        # for another writer between a read and the update.
+        # for another writer between a read and the update. A new log starts counting again, so it may go lower.
         upsert = insert.on_conflict_do_update(
             index_elements=[consumer_offsets.c.worker, consumer_offsets.c.topic, consumer_offsets.c.partition],
-            set_={"next_offset": insert.excluded.next_offset, "updated_at": insert.excluded.updated_at},
-            where=consumer_offsets.c.next_offset <= insert.excluded.next_offset,
+            set_={
+                "next_offset": insert.excluded.next_offset,
+                "log_id": insert.excluded.log_id,
+                "updated_at": insert.excluded.updated_at,
+            },
+            where=(consumer_offsets.c.next_offset <= insert.excluded.next_offset)
+            | (consumer_offsets.c.log_id != insert.excluded.log_id),
         )
         # RETURNING yields the row only if it was inserted or updated; rowcount is not reliable for upserts.
         if connection.execute(upsert.returning(consumer_offsets.c.next_offset)).first() is not None:

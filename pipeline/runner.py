@@ -57,6 +57,8 @@ class Origin:
     offset: int
     timestamp_ms: int
     key: bytes | None
+    log_id: str = ""
+    """Kafka topic id of the log `offset` counts in."""
 
 
 class Processor(ABC):
@@ -254,7 +256,7 @@ class WorkerRunner:
         self.metrics.events_in += 1
         event = self.decode_or_dead_letter(record)
         if event is not None:
-            origin = Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key)
+            origin = Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
             outputs = self._handle_with_retries(event, origin, record)
             if outputs is not None:
                 for topic, key, value, headers in outputs:
@@ -422,7 +424,7 @@ class SourceIO:
             runner.positions[(record.topic, record.partition)] = record.offset + 1
             runner._uncommitted = True
             if event is not None:
-                yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key)
+                yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
 
     def commit(self) -> None:
         """Flush everything published, then commit the positions of every input polled so far."""

@@ -25,6 +25,10 @@ from schemas.dead_letters import DeadLetter
 from schemas.topics import DEAD_LETTERS, topic_named, topic_of
 
 
+MEMORY_LOG_ID = "memory-log"
+"""The log id records fed through the harness carry."""
+
+
 @dataclass(frozen=True)
 class RawRecord:
     """Bytes to feed a worker as if a raw Kafka client had written them to `topic`."""
@@ -125,7 +129,8 @@ def to_records(items: Iterable[Event | RawRecord]) -> list[Record]:
             topic, partition, key, value = registry_topic.name, 0, registry_topic.key_bytes(item), encode(item)
         offset = next_offset.get((topic, partition), 0)
         next_offset[(topic, partition)] = offset + 1
-        records.append(Record(topic, partition, offset, key, value, timestamp_ms=1_700_000_000_000 + len(records)))
+        records.append(Record(topic, partition, offset, key, value, timestamp_ms=1_700_000_000_000 + len(records),
+                              log_id=MEMORY_LOG_ID))
     return records
 
 

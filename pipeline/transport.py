@@ -24,6 +24,7 @@ from kafka.errors import KafkaError, OffsetOutOfRangeError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.errors import ConfigError, RetryableError, WorkerFailedError
+from pipeline.offsets import LogPosition
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,9 @@ Position = tuple[str, int]
 """(topic, partition)."""
 
 _STALE_POSITIONS = (
-    "the broker no longer has the records these positions were saved against (the embedded broker keeps records in"
-    " memory only, so a restarted one starts empty). Use a new run directory for a new broker, or remove this"
-    " worker's rows from the consumer_offsets table to read the log from the start."
+    "the broker no longer has the records these positions were saved against, and it reports no new topic id that"
+    " would tell a new log apart (Kafka before 2.8). Use a new run directory, or remove this worker's rows from the"
+    " consumer_offsets table to read the log from the start."
 )
 
 
@@ -48,14 +49,16 @@ class Record:
     value: bytes | None
     timestamp_ms: int
     headers: tuple[tuple[str, bytes], ...] = ()
+    log_id: str = ""
+    """Kafka topic id of the log the offset counts in (new at every topic creation)."""
 
 
 class OffsetStore(Protocol):
-    """Where an assign-mode worker keeps its next offset per (topic, partition)."""
+    """Where an assign-mode worker keeps its next offset per (topic, partition), with the log it counts in."""
 
-    def load(self) -> dict[Position, int]: ...
+    def load(self) -> dict[Position, LogPosition]: ...
 
-    def save(self, positions: Mapping[Position, int]) -> None: ...
+    def save(self, positions: Mapping[Position, LogPosition]) -> None: ...
 
 
 class InputLog(Protocol):
@@ -79,7 +82,7 @@ class OutputLog(Protocol):
     def close(self) -> None: ...
 
 
-def _records(batches: Mapping[TopicPartition, list]) -> list[Record]:
+def _records(batches: Mapping[TopicPartition, list], log_ids: Mapping[str, str]) -> list[Record]:
     records = []
     for batch in batches.values():
         for message in batch:
@@ -92,6 +95,7 @@ def _records(batches: Mapping[TopicPartition, list]) -> list[Record]:
                     value=message.value,
                     timestamp_ms=message.timestamp,
                     headers=tuple(message.headers or ()),
+                    log_id=log_ids.get(message.topic, ""),
                 )
             )
     return records
@@ -117,8 +121,9 @@ def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Pos
 class KafkaGroupInput:
     """Consumer-group input; commits go to Kafka. `on_revoke` lets the runner commit before partitions move."""
 
-    def __init__(self, consumer: KafkaConsumer, topics: Iterable[str]) -> None:
+    def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str]) -> None:
         self.consumer = consumer
+        self.log_ids = dict(log_ids)
         self.on_revoke: Callable[[set[Position]], None] | None = None
         outer = self
 
@@ -133,7 +138,7 @@ class KafkaGroupInput:
         consumer.subscribe(topics=list(topics), listener=_Listener())
 
     def poll(self, timeout_ms: int) -> list[Record]:
-        return _records(self.consumer.poll(timeout_ms=timeout_ms))
+        return _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if not positions:
@@ -155,10 +160,16 @@ class KafkaAssignedInput:
     """Reads every partition of `topics`, resuming from `offsets` (the worker's own store)."""
 
     def __init__(
-        self, consumer: KafkaConsumer, topics: Iterable[str], offsets: OffsetStore, metadata_timeout_s: float = 10.0
+        self,
+        consumer: KafkaConsumer,
+        topics: Iterable[str],
+        offsets: OffsetStore,
+        log_ids: Mapping[str, str],
+        metadata_timeout_s: float = 10.0,
     ) -> None:
         self.consumer = consumer
         self.offsets = offsets
+        self.log_ids = dict(log_ids)
         partitions = []
         for name in topics:
             deadline = time.monotonic() + metadata_timeout_s
@@ -173,18 +184,28 @@ class KafkaAssignedInput:
         consumer.assign(partitions)
         stored = offsets.load()
         self._unverified: dict[TopicPartition, int] = {}
+        resumed = 0
         for tp in partitions:
             position = stored.get((tp.topic, tp.partition))
+            current_log = self.log_ids.get(tp.topic, "")
+            if position is not None and position.log_id != current_log:
+                # A restarted embedded broker (memory only) or a re-created topic: a new log, counted from 0. Read it
+                # from its start; the old log's records stay where they were archived.
+                log.warning("%s[%d]: stored position %d counts in log %s, the broker now has log %s; reading the new"
+                            " log from its start", tp.topic, tp.partition, position.next_offset, position.log_id,
+                            current_log)
+                position = None
             if position is None:
                 consumer.seek_to_beginning(tp)
             else:
-                consumer.seek(tp, position)
-                self._unverified[tp] = position
-        log.info("assigned %d partitions; resuming %d from stored offsets", len(partitions), len(stored))
+                consumer.seek(tp, position.next_offset)
+                self._unverified[tp] = position.next_offset
+                resumed += 1
+        log.info("assigned %d partitions; resuming %d from stored offsets", len(partitions), resumed)
 
     def poll(self, timeout_ms: int) -> list[Record]:
         try:
-            records = _records(self.consumer.poll(timeout_ms=timeout_ms))
+            records = _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
         except OffsetOutOfRangeError as exc:
             raise ConfigError(f"a stored position lies outside the log ({exc}); {_STALE_POSITIONS}") from exc
         if self._unverified:
@@ -208,7 +229,10 @@ class KafkaAssignedInput:
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if positions:
-            self.offsets.save(positions)
+            self.offsets.save({
+                (topic, partition): LogPosition(offset, self.log_ids.get(topic, ""))
+                for (topic, partition), offset in positions.items()
+            })
 
     def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
         return _lag(self.consumer, positions)

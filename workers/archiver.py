@@ -47,7 +47,8 @@ class Archiver(Processor):
         if self._oldest is None:
             self._oldest = time.monotonic()
         self._rows.append(
-            archive_row(event, origin.topic, origin.partition, origin.offset, origin.timestamp_ms, origin.key)
+            archive_row(event, origin.topic, origin.partition, origin.offset, origin.timestamp_ms, origin.key,
+                        origin.log_id)
         )
         return ()
 

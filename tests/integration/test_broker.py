@@ -319,31 +319,35 @@ def test_sigterm_flushes_buffered_events_and_commits_before_exit(kafka_bootstrap
     assert again.events_in == 0
 
 
-def test_positions_from_a_lost_broker_fail_loudly_instead_of_skipping_records(tansu_bin, tmp_path):
-    """A run dir reused with a fresh embedded broker: its stored positions point past the new, empty log."""
+def test_a_restarted_embedded_broker_is_a_new_log_read_from_its_start(tansu_bin, tmp_path):
+    """A run dir reused with a fresh embedded broker: the new log counts from 0 again under new topic ids."""
     from infra.admin import create_topics
     from infra.broker import EmbeddedBroker
     from infra.kafka import make_admin
-    from pipeline.errors import ConfigError
 
-    def fill(bootstrap: str, count: int) -> None:
+    def fill(bootstrap: str, slots: range) -> None:
         admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
         create_topics(admin)
         admin.close()
         producer = KafkaProducer(bootstrap_servers=bootstrap)
-        for slot in range(count):
+        for slot in slots:
             event = _trajectory(slot)
             producer.send(TRAJECTORIES.name, key=b"same-partition", value=encode(event))
         producer.close()
 
     with EmbeddedBroker(tansu_bin=tansu_bin) as first:
-        fill(first.bootstrap_servers, 30)
+        fill(first.bootstrap_servers, range(30))
         archived = build_runner(Archiver, settings_for(first.bootstrap_servers, tmp_path), instance="a-0",
                                 limits=Limits(max_events=30, timeout_s=30)).run()
         assert archived.events_in == 30
+    # The new log is longer than the stored position (40 > 30): offsets alone could not tell the logs apart.
     with EmbeddedBroker(tansu_bin=tansu_bin) as second:
-        fill(second.bootstrap_servers, 5)
-        runner = build_runner(Archiver, settings_for(second.bootstrap_servers, tmp_path), instance="a-1",
-                              limits=Limits(timeout_s=10))
-        with pytest.raises(ConfigError, match=r"stored position 30 is past the end of the log \(5\)"):
-            runner.run()
+        fill(second.bootstrap_servers, range(100, 140))
+        again = build_runner(Archiver, settings_for(second.bootstrap_servers, tmp_path), instance="a-1",
+                             limits=Limits(max_events=40, timeout_s=30)).run()
+        assert again.events_in == 40
+    with Audit(tmp_path) as audit:
+        _, slots = audit.query("SELECT slot FROM trajectory_completed ORDER BY slot")
+        _, logs = audit.query("SELECT count(DISTINCT log_id) FROM events")
+    assert [row[0] for row in slots] == [*range(30), *range(100, 140)]  # nothing skipped, nothing replaced
+    assert logs == [(2,)]

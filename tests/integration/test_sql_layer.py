@@ -29,7 +29,7 @@ from infra.db import (
     migrate,
     session_factory,
 )
-from pipeline.offsets import SqlOffsetStore
+from pipeline.offsets import LogPosition, SqlOffsetStore
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +62,12 @@ def test_migration_creates_consumer_offsets_as_declared(migrated_engine: Engine)
     inspector = inspect(migrated_engine)
     columns = {column["name"]: column for column in inspector.get_columns("consumer_offsets")}
 
-    assert list(columns) == ["worker", "topic", "partition", "next_offset", "updated_at"]
+    assert list(columns) == ["worker", "topic", "partition", "next_offset", "log_id", "updated_at"]
     assert isinstance(columns["worker"]["type"], String) and columns["worker"]["type"].length == 128
     assert isinstance(columns["topic"]["type"], String) and columns["topic"]["type"].length == 255
     assert isinstance(columns["partition"]["type"], Integer)
     assert isinstance(columns["next_offset"]["type"], BigInteger)
+    assert isinstance(columns["log_id"]["type"], String) and not columns["log_id"]["nullable"]
     assert isinstance(columns["updated_at"]["type"], DateTime)
     assert {name for name, column in columns.items() if not column["nullable"]} == set(columns)
     assert inspector.get_pk_constraint("consumer_offsets")["constrained_columns"] == ["worker", "topic", "partition"]
@@ -164,11 +165,15 @@ def test_db_settings_are_frozen_and_reject_unknown_fields() -> None:
 # --- offset store ------------------------------------------------------------------------------------------------
 
 
+def _at(offsets: dict[tuple[str, int], int], log_id: str = "log-a") -> dict[tuple[str, int], LogPosition]:
+    return {position: LogPosition(offset, log_id) for position, offset in offsets.items()}
+
+
 def test_positions_round_trip_per_worker(migrated_engine: Engine) -> None:
     bank = SqlOffsetStore(migrated_engine, worker="bank-0")
     learner = SqlOffsetStore(migrated_engine, worker="learner-0")
-    bank_positions = {("crl.experience-ops", 0): 1234, ("crl.trajectories", 0): 7, ("crl.trajectories", 3): 2**40}
-    learner_positions = {("crl.trajectories", 0): 99, ("crl.trajectories", 1): 0}
+    bank_positions = _at({("crl.experience-ops", 0): 1234, ("crl.trajectories", 0): 7, ("crl.trajectories", 3): 2**40})
+    learner_positions = _at({("crl.trajectories", 0): 99, ("crl.trajectories", 1): 0})
 
     assert bank.load() == {}
     bank.save(bank_positions)
@@ -182,53 +187,62 @@ def test_positions_round_trip_per_worker(migrated_engine: Engine) -> None:
 
 def test_save_overwrites_given_partitions_and_keeps_the_others(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
-    store.save({("crl.trajectories", 0): 10, ("crl.trajectories", 1): 20})
+    store.save(_at({("crl.trajectories", 0): 10, ("crl.trajectories", 1): 20}))
 
-    store.save({("crl.trajectories", 0): 15})
-    store.save({("crl.trajectories", 1): 20})  # the same offset again is allowed: nothing was consumed
+    store.save(_at({("crl.trajectories", 0): 15}))
+    store.save(_at({("crl.trajectories", 1): 20}))  # the same offset again is allowed: nothing was consumed
 
-    assert store.load() == {("crl.trajectories", 0): 15, ("crl.trajectories", 1): 20}
+    assert store.load() == _at({("crl.trajectories", 0): 15, ("crl.trajectories", 1): 20})
     with migrated_engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(consumer_offsets)).scalar_one() == 2
 
 
 def test_save_refuses_to_move_a_position_backwards(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
-    store.save({("crl.trajectories", 2): 10})
+    store.save(_at({("crl.trajectories", 2): 10}))
 
     with pytest.raises(ValueError) as raised:
-        store.save({("crl.trajectories", 2): 9})
+        store.save(_at({("crl.trajectories", 2): 9}))
 
     message = str(raised.value)
     assert "'crl.trajectories'" in message and "partition 2" in message
     assert "10" in message and "9" in message
-    assert store.load() == {("crl.trajectories", 2): 10}
+    assert store.load() == _at({("crl.trajectories", 2): 10})
 
 
 def test_save_rejects_negative_offsets(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
 
     with pytest.raises(ValueError, match="must be >= 0"):
-        store.save({("crl.trajectories", 0): -1})
+        store.save(_at({("crl.trajectories", 0): -1}))
     assert store.load() == {}
 
 
 def test_a_failing_save_writes_none_of_its_positions(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
-    store.save({("crl.trajectories", 0): 5, ("crl.trajectories", 2): 5})
+    store.save(_at({("crl.trajectories", 0): 5, ("crl.trajectories", 2): 5}))
 
     # Rows are written in (topic, partition) order, so partition 0 is updated and partition 1 inserted before
     # partition 2 is found to move backwards; the transaction must undo both.
     with pytest.raises(ValueError, match="backwards"):
-        store.save({("crl.trajectories", 0): 8, ("crl.trajectories", 1): 1, ("crl.trajectories", 2): 3})
+        store.save(_at({("crl.trajectories", 0): 8, ("crl.trajectories", 1): 1, ("crl.trajectories", 2): 3}))
 
-    assert store.load() == {("crl.trajectories", 0): 5, ("crl.trajectories", 2): 5}
+    assert store.load() == _at({("crl.trajectories", 0): 5, ("crl.trajectories", 2): 5})
 
 
 def test_saving_nothing_writes_nothing(migrated_engine: Engine) -> None:
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
-    store.save({})
+    store.save(_at({}))
     assert store.load() == {}
+
+
+def test_a_new_log_may_start_lower_and_its_id_is_stored(migrated_engine: Engine) -> None:
+    store = SqlOffsetStore(migrated_engine, worker="archiver")
+    store.save(_at({("crl.trajectories", 0): 500}, log_id="old-broker"))
+    with pytest.raises(ValueError, match="backwards"):
+        store.save(_at({("crl.trajectories", 0): 3}, log_id="old-broker"))
+    store.save(_at({("crl.trajectories", 0): 3}, log_id="new-broker"))
+    assert store.load() == {("crl.trajectories", 0): LogPosition(3, "new-broker")}
 
 
 def test_concurrent_migrations_from_separate_processes(db_engine: Engine) -> None:

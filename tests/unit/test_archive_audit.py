@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.archive import ARCHIVE_SCHEMA, archive_root, segment_files, write_segments
 from pipeline.audit import Audit, AuditQueryError, kind_view_sql, sql_type
-from pipeline.testing import RawRecord, run_processor
+from pipeline.testing import MEMORY_LOG_ID, RawRecord, run_processor
 from schemas.examples import example_events
 from schemas.topics import EVENT_TYPES, TRAJECTORIES
 from schemas.trajectories import TrajectoryCompleted
@@ -46,14 +46,14 @@ def test_archiver_flushes_by_count_and_by_age(tmp_path):
     events = example_events()
     from pipeline.runner import Origin
 
-    archiver.handle(events[0], Origin("crl.runs", 0, 0, 1_700_000_000_000, b"k"))
+    archiver.handle(events[0], Origin("crl.runs", 0, 0, 1_700_000_000_000, b"k", "log-a"))
     started = archiver._oldest
     assert not archiver.flush_due(started + 4.9)
     assert archiver.flush_due(started + 5.0)
-    archiver.handle(events[1], Origin("crl.runs", 0, 1, 1_700_000_000_001, b"k"))
+    archiver.handle(events[1], Origin("crl.runs", 0, 1, 1_700_000_000_001, b"k", "log-a"))
     assert archiver.flush_due(started)  # two rows: count reached
     archiver.flush()
-    assert [path.name for path in segment_files(tmp_path)] == ["000-000000000000-000000000001.parquet"]
+    assert [path.name for path in segment_files(tmp_path)] == ["000-000000000000-000000000001-log-a.parquet"]
     assert archiver.flush_due(0.0)
 
 
@@ -88,8 +88,8 @@ def test_duplicates_from_a_crash_between_write_and_commit_are_removed(archived):
     from pipeline.archive import archive_row
 
     newer = trajectory.model_copy(update={"event_id": uuid.uuid4(), "slot": 3})
-    write_segments(archive_root(run_dir), [archive_row(trajectory, TRAJECTORIES.name, 0, 0, 0, b"k"),
-                                           archive_row(newer, TRAJECTORIES.name, 0, 1, 0, b"k")])
+    write_segments(archive_root(run_dir), [archive_row(trajectory, TRAJECTORIES.name, 0, 0, 0, b"k", MEMORY_LOG_ID),
+                                           archive_row(newer, TRAJECTORIES.name, 0, 1, 0, b"k", MEMORY_LOG_ID)])
     with Audit(run_dir) as audit:
         _, raw = audit.query(
             f"SELECT count(*) FROM read_parquet('{archive_root(run_dir)}/*/*.parquet') "
@@ -194,3 +194,20 @@ def test_rewriting_a_segment_with_the_same_range_replaces_it_atomically(tmp_path
     second = write_segments(tmp_path, rows)
     assert first == second
     assert pq.read_table(first[0]).num_rows == 2
+
+
+def test_segments_of_another_log_never_replace_the_archived_ones(tmp_path):
+    """A restarted embedded broker numbers its new log from 0 again: same topic, partition and offsets."""
+    from pipeline.archive import archive_row
+
+    first, second = example_events()[:2]
+    old = write_segments(tmp_path, [archive_row(first, "crl.runs", 0, 0, 0, None, "log-before-restart")])
+    new = write_segments(tmp_path, [archive_row(second, "crl.runs", 0, 0, 0, None, "log-after-restart")])
+    assert old != new
+    assert len(segment_files(tmp_path)) == 2
+    run_dir = tmp_path.parent / "run-with-two-logs"
+    (run_dir / "archive").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "archive").symlink_to(tmp_path)
+    with Audit(run_dir) as audit:
+        _, rows = audit.query("SELECT log_id, event_id FROM events ORDER BY log_id")
+    assert rows == [("log-after-restart", str(second.event_id)), ("log-before-restart", str(first.event_id))]

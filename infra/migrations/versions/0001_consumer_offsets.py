@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("topic", sa.String(255), nullable=False),
         sa.Column("partition", sa.Integer(), nullable=False),
         sa.Column("next_offset", sa.BigInteger(), nullable=False),
+        sa.Column("log_id", sa.String(64), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("worker", "topic", "partition", name="pk_consumer_offsets"),
     )
