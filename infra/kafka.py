@@ -30,7 +30,8 @@ class KafkaSettings(BaseModel):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="Passed to kafka-python unchanged."
     )
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"] | None = None
+    # OAUTHBEARER and GSSAPI need a token provider / Kerberos setup that plain settings cannot carry.
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_plain_username: str | None = None
     sasl_plain_password: SecretStr | None = None
     ssl_cafile: str | None = Field(default=None, description="CA bundle for SSL / SASL_SSL.")

@@ -81,7 +81,8 @@ def kind_view_sql(event_type: type[Event]) -> str:
         elif kind == "VARCHAR":
             columns.append(f"payload ->> {path} AS {_quote(name)}")
         else:
-            columns.append(f"CAST(payload ->> {path} AS {kind}) AS {_quote(name)}")
+            # TRY_CAST: one odd value must not make the whole view unreadable (it shows as NULL; `payload` has it).
+            columns.append(f"TRY_CAST(payload ->> {path} AS {kind}) AS {_quote(name)}")
     return f"SELECT {', '.join(columns)} FROM events WHERE kind = {_sql_string(event_type.__name__)}"
 
 
@@ -116,7 +117,6 @@ class Audit:
         self.connection.execute(f"CREATE VIEW events AS {source}")
         for kind, event_type in sorted(EVENT_TYPES.items()):
             self.connection.execute(f"CREATE VIEW {_quote(snake_case(kind))} AS {kind_view_sql(event_type)}")
-        self.root.mkdir(parents=True, exist_ok=True)
         self.connection.execute(f"SET allowed_directories = [{_sql_string(str(self.root) + '/')}]")
         self.connection.execute("SET enable_external_access = false")
         self.connection.execute("SET lock_configuration = true")

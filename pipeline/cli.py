@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +57,9 @@ def _configure_logging(level: str, log_file: Path | None = None) -> None:
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     console_handler = logging.StreamHandler(sys.stderr)
     console_handler.setLevel(level.upper())
+    # kafka-python logs every failed connection attempt while it retries; the console shows our own summary of a
+    # failure instead (the worker's log file keeps kafka-python's lines).
+    console_handler.addFilter(lambda record: not record.name.startswith("kafka") or record.levelno >= logging.CRITICAL)
     handlers: list[logging.Handler] = [console_handler]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -83,16 +87,24 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 @app.callback()
 def _load(
-    log_level: Annotated[str, typer.Option(help="Logging level: debug, info, warning, error.")] = "warning",
+    log_level: Annotated[LogLevel, typer.Option(help="Console logging level (worker log files always get info).")]
+    = LogLevel.warning,
 ) -> None:
     """Read settings from CRL_* environment variables (validated field by field)."""
     # Nothing may reach a model hub at run time; set before any Hugging Face library is imported.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    _State.log_level = log_level
-    _configure_logging(log_level)
+    _State.log_level = log_level.value
+    _configure_logging(log_level.value)
     try:
         _State.settings = Settings()
     except ValidationError as exc:
@@ -255,15 +267,25 @@ def worker(
         raise _fail(f"unknown worker {name!r}; known workers: {', '.join(sorted(registry))}", 2)
     instance = instance or default_instance(name)
     _configure_logging(_State.log_level, settings.run_dir / "logs" / f"{instance}.log")
+    from kafka.errors import KafkaError
+
     try:
         runner = build_runner(registry[name], settings, instance=instance,
                               limits=Limits(max_events=max_events, timeout_s=timeout))
         runner.install_signal_handlers()
-        metrics = runner.run()
+        with errors.status(f"{name}: starting") as status:
+            runner.on_progress = lambda m: status.update(
+                f"{name} ({instance}): in {m.events_in}  out {m.events_out}  dead letters {m.dead_letters}"
+                f"  retries {m.retries}  commits {m.commits}  lag {sum(m.lag.values())}"
+            )
+            metrics = runner.run()
     except ConfigError as exc:
         raise _fail(str(exc), 2) from exc
     except PipelineError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from exc
+    except KafkaError as exc:
+        raise _fail(f"Kafka at {settings.resolve_kafka().bootstrap_servers} failed: {type(exc).__name__}: {exc}"
+                    " (is the broker running? `crl doctor` checks)") from exc
     console.print(f"{name} stopped ({runner.stop_reason or 'finished'}): {json.dumps(metrics.snapshot())}")
 
 
@@ -308,6 +330,14 @@ def _print_rows(columns: list[str], rows: list[tuple[Any, ...]], output: str) ->
         console.print(f"{len(rows)} rows")
 
 
+def _open_audit(run_dir: Path) -> Any:
+    from pipeline.audit import Audit
+
+    if not run_dir.is_dir():
+        raise _fail(f"no run directory at {run_dir}", 2)
+    return Audit(run_dir)
+
+
 FormatOption = Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")]
 
 
@@ -320,7 +350,7 @@ def audit_sql(
     """Run one read-only SQL statement over the run's archive. Views: events plus one per event kind."""
     from pipeline.audit import Audit, AuditQueryError
 
-    with Audit(run_dir) as audit:
+    with _open_audit(run_dir) as audit:
         try:
             columns, rows = audit.query(sql)
         except AuditQueryError as exc:
@@ -336,9 +366,9 @@ def audit_events(
     output: FormatOption = "table",
 ) -> None:
     """Print archived events in time order (envelope, coordinates, start of the payload)."""
-    from pipeline.audit import Audit, AuditQueryError
+    from pipeline.audit import AuditQueryError
 
-    with Audit(run_dir) as audit:
+    with _open_audit(run_dir) as audit:
         try:
             columns, rows = audit.recent_events(kind, limit)
         except AuditQueryError as exc:

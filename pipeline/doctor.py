@@ -4,13 +4,15 @@
     crl doctor                 # checks the broker of CRL_KAFKA__BOOTSTRAP_SERVERS (or of the run dir)
 
 Checks: broker reachable; every registry topic present with its partition count; a round trip through Kafka of one
-valid example of every event kind (decoded equal); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is
+valid example of every event kind (decoded equal; through the registry topics of the throwaway embedded broker, or
+through a scratch topic deleted afterwards on an external Kafka, whose run topics get no test events); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is
 set); the embedding model loads offline; NLE / MiniHack import and step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import time
 import uuid
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kafka import TopicPartition
+from kafka.admin import NewTopic
 
 from infra.admin import create_topics, existing_partition_counts
 from infra.broker import EmbeddedBroker, wait_until_answers
@@ -28,7 +31,7 @@ from pipeline.embeddings import load_sentence_encoder
 from pipeline.settings import Settings
 from schemas.codec import decode, encode
 from schemas.examples import example_events
-from schemas.topics import TOPICS, topic_named, topic_of
+from schemas.topics import TOPICS, topic_of
 
 
 @dataclass(frozen=True)
@@ -88,20 +91,34 @@ def _topic_checks(kafka: KafkaSettings, create: bool) -> list[Check]:
     return checks
 
 
-def _round_trip_checks(kafka: KafkaSettings, timeout_s: float = 15.0) -> list[Check]:
-    """Produce one example of every kind, read each back by event id, and compare the decoded event."""
+def _round_trip_checks(kafka: KafkaSettings, scratch_topic: str | None, timeout_s: float = 15.0) -> list[Check]:
+    """Produce one example of every kind, read each back by event id, and compare the decoded event.
+
+    With `scratch_topic` every example goes through that one topic (created here, deleted after), so a doctor run
+    against a production Kafka writes nothing into the run topics; otherwise each goes to its registry topic.
+    """
     events = example_events(run_id=f"doctor-{uuid.uuid4().hex[:8]}")
+    admin = make_admin(kafka) if scratch_topic else None
+    if admin is not None:
+        admin.create_topics([NewTopic(scratch_topic, 1, 1)])
     consumer = make_consumer(kafka, client_id="crl-doctor")
     producer = make_producer(kafka, client_id="crl-doctor")
     try:
-        partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
+        if scratch_topic:
+            partitions = [TopicPartition(scratch_topic, 0)]
+            deadline = time.monotonic() + timeout_s
+            while not consumer.partitions_for_topic(scratch_topic) and time.monotonic() < deadline:
+                consumer.topics()
+                time.sleep(0.1)
+        else:
+            partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
         consumer.assign(partitions)
         consumer.seek_to_end(*partitions)
         for tp in partitions:
             consumer.position(tp)  # resolve the end now, before our records land
         for event in events:
             topic = topic_of(event)
-            producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
+            producer.send(scratch_topic or topic.name, key=topic.key_bytes(event), value=encode(event))
         producer.flush(timeout=timeout_s)
         wanted = {str(event.event_id): event for event in events}
         received: dict[str, bytes] = {}
@@ -110,22 +127,27 @@ def _round_trip_checks(kafka: KafkaSettings, timeout_s: float = 15.0) -> list[Ch
             for batch in consumer.poll(timeout_ms=200).values():
                 for record in batch:
                     try:
-                        event = decode(topic_named(record.topic), record.value)
-                    except ValueError:
+                        event_id = json.loads(record.value)["event_id"]
+                    except (ValueError, KeyError, TypeError):
                         continue  # someone else's record on a shared broker
-                    if str(event.event_id) in wanted:
-                        received[str(event.event_id)] = record.value
+                    if event_id in wanted:
+                        received[event_id] = record.value
     finally:
         producer.close(timeout=5)
         consumer.close(autocommit=False)
+        if admin is not None:
+            admin.delete_topics([scratch_topic])
+            admin.close()
     checks = []
+    via = scratch_topic or "its registry topic"
     for event_id, event in wanted.items():
         name = f"round trip {event.kind}"
         if event_id not in received:
-            checks.append(Check(name, False, f"not read back from {topic_of(event).name} within {timeout_s:.0f}s"))
+            checks.append(Check(name, False, f"not read back from {via} within {timeout_s:.0f}s"))
             continue
         decoded = decode(topic_of(event), received[event_id])
-        checks.append(Check(name, decoded == event, f"{len(received[event_id])} bytes via {topic_of(event).name}"
+        where = scratch_topic or topic_of(event).name
+        checks.append(Check(name, decoded == event, f"{len(received[event_id])} bytes via {where}"
                             + ("" if decoded == event else ": decoded event differs")))
     return checks
 
@@ -176,7 +198,8 @@ def run_checks(settings: Settings, embedded: bool) -> list[Check]:
                 checks += topic_checks
                 if all(check.ok for check in topic_checks):
                     try:
-                        checks += _round_trip_checks(kafka)
+                        scratch = None if embedded else f"crl.doctor-{uuid.uuid4().hex[:12]}"
+                        checks += _round_trip_checks(kafka, scratch)
                     except Exception as exc:
                         checks.append(Check("round trip", False, f"{type(exc).__name__}: {exc}"))
                 else:

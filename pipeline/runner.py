@@ -172,6 +172,9 @@ class WorkerRunner:
         self.metrics_path = metrics_path
         self.limits = limits
         self.metrics = WorkerMetrics()
+        self.on_progress: Callable[[WorkerMetrics], None] | None = None
+        """Called with the metrics at most every 0.5 s (the CLI's live status line)."""
+        self._last_progress = 0.0
         self.positions: dict[Position, int] = {}
         self._uncommitted = False  # records handled since the last commit
         self.stop_reason: str | None = None
@@ -179,8 +182,6 @@ class WorkerRunner:
         self._sleep = sleep or self._stop.wait
         self._started = time.monotonic()
         self._last_metrics = self._started
-        if hasattr(input_log, "on_revoke"):
-            input_log.on_revoke = self._on_revoke  # type: ignore[union-attr]
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -252,12 +253,19 @@ class WorkerRunner:
             return None
 
     def _process(self, record: Record) -> None:
-        assert isinstance(self.worker, Processor)
+        assert isinstance(self.worker, Processor) and self.input_log is not None
+        if not self.input_log.owns((record.topic, record.partition)):
+            return  # fetched before its partition moved to another member, which will read it
         self.metrics.events_in += 1
         event = self.decode_or_dead_letter(record)
         if event is not None:
             origin = Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
-            outputs = self._handle_with_retries(event, origin, record)
+            try:
+                outputs = self._handle_with_retries(event, origin, record)
+            except _StoppedDuringRetry as stopped:
+                # Not handled, so not committed: the next start reads it again. What came before is committed.
+                log.info("stopped while retrying %s; it stays uncommitted", stopped)
+                return
             if outputs is not None:
                 for topic, key, value, headers in outputs:
                     self.output_log.send(topic, key, value, headers)
@@ -284,7 +292,7 @@ class WorkerRunner:
                             delay, event.kind, origin.topic, origin.partition, origin.offset, exc)
                 self._sleep(delay)
                 if self._stop.is_set():
-                    raise WorkerFailedError(f"stopped while retrying {event.kind} {event.event_id}: {exc}") from exc
+                    raise _StoppedDuringRetry(f"{event.kind} {event.event_id}: {exc}") from exc
             except (PoisonMessageError, EventDecodeError) as exc:
                 self.publish_dead_letter(record, exc)
                 return None
@@ -355,27 +363,38 @@ class WorkerRunner:
             self.worker.flush()
         self.output_log.flush()
         if self.input_log is not None and self.positions:
-            self.input_log.commit(dict(self.positions))
+            # A partition that moved to another member is not ours to commit: its new owner resumes at the last
+            # commit and re-reads what was handled here since (at-least-once).
+            for position in [p for p in self.positions if not self.input_log.owns(p)]:
+                log.info("not committing %s[%d]: the partition was revoked", *position)
+                del self.positions[position]
+            self._commit_with_retries(dict(self.positions))
         self.metrics.commits += 1
         self._uncommitted = False
 
-    def _on_revoke(self, revoked: set[Position]) -> None:
-        """Partitions moved to another group member: forget their uncommitted positions.
-
-        kafka-python 3 runs rebalance callbacks on its IO thread, where a blocking commit is forbidden, so nothing is
-        committed here: the new owner resumes at the last commit and re-reads what was handled since (at-least-once;
-        commits follow every poll batch, so the window is one batch). Never committing a revoked partition keeps
-        this member from overwriting the new owner's progress.
-        """
-        dropped = {position: self.positions.pop(position) for position in revoked if position in self.positions}
-        if dropped:
-            log.info("partitions revoked; their uncommitted records will be re-delivered: %s", dropped)
+    def _commit_with_retries(self, positions: dict[Position, int]) -> None:
+        assert self.input_log is not None
+        for attempt in range(1, self.settings.max_retries + 2):
+            try:
+                self.input_log.commit(positions)
+                return
+            except RetryableError as exc:
+                if attempt > self.settings.max_retries:
+                    raise WorkerFailedError(f"offset commit failed {attempt} times: {exc}") from exc
+                self.metrics.retries += 1
+                delay = min(self.settings.retry_backoff_s * 2 ** (attempt - 1), self.settings.retry_backoff_max_s)
+                log.warning("commit retry %d/%d in %.2fs: %s", attempt, self.settings.max_retries, delay, exc)
+                time.sleep(delay)  # not interruptible: a stopping worker still wants this commit
 
     # -- metrics --------------------------------------------------------------------------------------------------
 
     def _maybe_report(self) -> None:
-        if time.monotonic() - self._last_metrics >= self.settings.metrics_interval_s:
+        now = time.monotonic()
+        if now - self._last_metrics >= self.settings.metrics_interval_s:
             self._write_metrics(final=False)
+        if self.on_progress is not None and now - self._last_progress >= 0.5:
+            self._last_progress = now
+            self.on_progress(self.metrics)
 
     def _write_metrics(self, final: bool) -> None:
         self._last_metrics = time.monotonic()
@@ -418,7 +437,9 @@ class SourceIO:
         runner = self._runner
         if runner.input_log is None:
             raise RuntimeError(f"{runner.worker.name} declares no inputs to poll")
-        for record in runner.input_log.poll(timeout_ms or runner.settings.poll_timeout_ms):
+        for record in runner.input_log.poll(runner.settings.poll_timeout_ms if timeout_ms is None else timeout_ms):
+            if not runner.input_log.owns((record.topic, record.partition)):
+                continue  # its partition moved to another member, which will read it
             runner.metrics.events_in += 1
             event = runner.decode_or_dead_letter(record)
             runner.positions[(record.topic, record.partition)] = record.offset + 1
@@ -429,6 +450,10 @@ class SourceIO:
     def commit(self) -> None:
         """Flush everything published, then commit the positions of every input polled so far."""
         self._runner.commit()
+
+
+class _StoppedDuringRetry(Exception):
+    """A stop was requested while an event waited for its next retry."""
 
 
 def _headers(event: Event) -> list[tuple[str, bytes]]:

@@ -58,7 +58,7 @@ class MemoryInput:
         self.batch_size = batch_size
         self.journal = journal
         self.committed: dict[Position, int] = {}
-        self.on_revoke = None
+        self.revoked: set[Position] = set()  # partitions a test moved to "another member"
 
     def poll(self, timeout_ms: int) -> list[Record]:
         batch = self._records[self._next : self._next + self.batch_size]
@@ -68,6 +68,9 @@ class MemoryInput:
     @property
     def exhausted(self) -> bool:
         return self._next >= len(self._records)
+
+    def owns(self, position: Position) -> bool:
+        return position not in self.revoked
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         self.committed.update(positions)

@@ -13,8 +13,9 @@ Two ways to consume:
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,9 @@ class InputLog(Protocol):
     def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
         """Records not yet handled per assigned partition (high watermark - handled position)."""
 
+    def owns(self, position: Position) -> bool:
+        """Whether records of `position` may be handled and committed by this worker right now."""
+
     def close(self) -> None: ...
 
 
@@ -119,23 +123,37 @@ def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Pos
 
 
 class KafkaGroupInput:
-    """Consumer-group input; commits go to Kafka. `on_revoke` lets the runner commit before partitions move."""
+    """Consumer-group input; commits go to Kafka.
+
+    kafka-python 3 calls rebalance listeners on its IO thread, where blocking calls (a commit) are forbidden, so the
+    listener only keeps the set of partitions this member owns; the runner asks `owns()` before it handles or
+    commits a partition. Records of a revoked partition that were already fetched are skipped, and its uncommitted
+    progress is re-read by the new owner from the last commit (at-least-once; commits follow every poll batch).
+    """
 
     def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str]) -> None:
         self.consumer = consumer
         self.log_ids = dict(log_ids)
-        self.on_revoke: Callable[[set[Position]], None] | None = None
+        self._owned: set[Position] = set()
+        self._owned_lock = threading.Lock()
         outer = self
 
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-                if outer.on_revoke is not None and revoked:
-                    outer.on_revoke({(tp.topic, tp.partition) for tp in revoked})
+                with outer._owned_lock:
+                    outer._owned -= {(tp.topic, tp.partition) for tp in revoked}
+                log.info("partitions revoked: %s", sorted((tp.topic, tp.partition) for tp in revoked))
 
             def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+                with outer._owned_lock:
+                    outer._owned |= {(tp.topic, tp.partition) for tp in assigned}
                 log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
         consumer.subscribe(topics=list(topics), listener=_Listener())
+
+    def owns(self, position: Position) -> bool:
+        with self._owned_lock:
+            return position in self._owned
 
     def poll(self, timeout_ms: int) -> list[Record]:
         return _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
@@ -226,6 +244,9 @@ class KafkaAssignedInput:
                     f" {_STALE_POSITIONS}"
                 )
             del self._unverified[tp]
+
+    def owns(self, position: Position) -> bool:
+        return True  # every partition is assigned to this worker for its whole life
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if positions:

@@ -20,7 +20,8 @@ Id = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 """A sha256 digest as 64 lowercase hex characters."""
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
+"""A count, offset, step or seed: fits a signed 64-bit column (Parquet, SQL, DuckDB)."""
 
 Role = Literal["actor", "extractor"]
 """Which of the two models a policy or training event is about."""

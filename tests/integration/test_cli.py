@@ -140,6 +140,12 @@ def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
     assert "CRL_MAX_PAYLOAD_BYTES" in invalid.stderr and "CRL_KAFKA__ACKS" in invalid.stderr
     write = crl("audit", "sql", str(tmp_path), "DELETE FROM events")
     assert write.returncode == 1 and "only SELECT / EXPLAIN" in write.stderr
+    typo = tmp_path / "no-such-run"
+    missing = crl("audit", "sql", str(typo), "SELECT count(*) FROM events")
+    assert missing.returncode == 2 and "no run directory" in missing.stderr
+    assert not typo.exists()  # a read-only command creates nothing
+    level = crl("--log-level", "loud", "doctor")
+    assert level.returncode == 2 and "'loud' is not one of" in level.stderr
 
 
 def test_every_command_has_help_text():
@@ -166,3 +172,16 @@ def test_topics_create_then_doctor_against_an_external_broker(tansu):
     after = crl("doctor", env=env)
     assert after.returncode == 0, after.stdout + after.stderr
     assert f"Kafka at {tansu.bootstrap_servers}" in after.stdout
+    assert "via crl.doctor-" in after.stdout
+    # Nothing was written into the run topics, and the scratch topic is gone.
+    from infra.admin import describe_topics, existing_partition_counts
+    from infra.kafka import KafkaSettings, make_admin, make_consumer
+
+    kafka = KafkaSettings(bootstrap_servers=tansu.bootstrap_servers)
+    admin, consumer = make_admin(kafka), make_consumer(kafka)
+    try:
+        assert all(status.messages == 0 for status in describe_topics(admin, consumer))
+        assert not [name for name in existing_partition_counts(admin) if name.startswith("crl.doctor-")]
+    finally:
+        admin.close()
+        consumer.close()

@@ -182,7 +182,7 @@ def test_sql_types_follow_the_annotations():
     assert sql_type(fields["reason"].annotation) == "VARCHAR"
     assert sql_type(fields["extractor_version"].annotation) == "BIGINT"  # int | None
     assert sql_type(fields["generation_id"].annotation) == "VARCHAR"
-    assert "CAST(payload ->> '$.expected_version' AS BIGINT)" in kind_view_sql(ExperienceRetired)
+    assert "TRY_CAST(payload ->> '$.expected_version' AS BIGINT)" in kind_view_sql(ExperienceRetired)
 
 
 def test_rewriting_a_segment_with_the_same_range_replaces_it_atomically(tmp_path):

@@ -325,3 +325,69 @@ def test_trajectory_examples_survive_the_runner_unchanged():
     capture = Capture()
     run_processor(capture, [trajectory])
     assert capture.got == [trajectory]
+
+
+def _runner_over(processor: Processor, events: list, journal: Journal, **options) -> tuple:
+    from pipeline.runner import Limits, WorkerRunner
+    from pipeline.testing import MemoryInput, to_records
+
+    input_log = MemoryInput(to_records(events), journal, batch_size=len(events))
+    output = MemoryOutput(journal)
+    runner = WorkerRunner(processor, input_log=input_log, output_log=output, producer=PRODUCER, run_id="unit-run",
+                          max_payload_bytes=1 << 20, limits=Limits(max_events=len(events)), **options)
+    return runner, input_log, output
+
+
+def test_a_stop_during_a_retry_backoff_commits_what_came_before_and_exits_cleanly():
+    class FailsOnSecond(EchoStop):
+        def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+            if origin.offset == 1:
+                raise RetryableError("database locked")
+            return super().handle(event, origin)
+
+    journal = Journal()
+    stop = _examples()["StopRequested"]
+    runner, input_log, output = _runner_over(
+        FailsOnSecond(), [stop, stop, stop], journal,
+        settings=RunnerSettings(max_retries=5, retry_backoff_s=0.01),
+        sleep=lambda _delay: runner.request_stop("SIGTERM"),
+    )
+    runner.run()  # no WorkerFailedError: a stop is not a failure
+    assert len(output.delivered) == 1  # the first event's output, flushed
+    assert input_log.committed == {("crl.control", 0): 1}  # the second event stays uncommitted, read again later
+    assert output.pending == []
+
+
+def test_records_of_a_revoked_partition_are_neither_handled_nor_committed():
+    class RevokesOnFirst(EchoStop):
+        def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+            input_log.revoked.add(("crl.control", 0))  # a rebalance moved the partition during this event
+            return super().handle(event, origin)
+
+    journal = Journal()
+    stop = _examples()["StopRequested"]
+    processor = RevokesOnFirst()
+    runner, input_log, output = _runner_over(processor, [stop, stop, stop, _examples()["RunStarted"]], journal)
+    runner.limits = type(runner.limits)(max_events=2)
+    runner.run()
+    assert len(processor.seen) == 2  # the first control record and the crl.runs record; the rest were skipped
+    assert processor.seen[1].startswith("RunStarted@crl.runs")
+    assert input_log.committed == {("crl.runs", 0): 1}  # never the revoked partition
+
+
+def test_a_failed_offset_commit_is_retried():
+    journal = Journal()
+    runner, input_log, _output = _runner_over(EchoStop(), [_examples()["StopRequested"]], journal,
+                                              settings=RunnerSettings(retry_backoff_s=0.001))
+    commit = input_log.commit
+    failures = [RetryableError("coordinator moved")]
+
+    def flaky_commit(positions):
+        if failures:
+            raise failures.pop()
+        commit(positions)
+
+    input_log.commit = flaky_commit
+    runner.run()
+    assert input_log.committed == {("crl.control", 0): 1}
+    assert runner.metrics.retries == 1

@@ -636,3 +636,11 @@ def test_run_config_must_be_plain_json_without_nan(bad: float) -> None:
 def test_embedding_from_array_rounds_once_to_float16() -> None:
     x = 1 + 2**-11 + 2**-40  # float32 rounding first would give 1.0; float16 of the exact value is 1.0009765625
     assert EmbeddingVector.from_array("m", np.array([x])).data == (float(np.float16(x)),) == (1.0009765625,)
+
+
+def test_counts_and_seeds_fit_a_signed_64_bit_column() -> None:
+    assigned = EXAMPLES["EpisodeAssigned"]
+    assert assigned.model_copy(update={"seed": 2**63 - 1}).model_validate(
+        assigned.model_dump() | {"seed": 2**63 - 1}).seed == 2**63 - 1
+    with pytest.raises(ValidationError, match="seed"):
+        type(assigned).model_validate(assigned.model_dump() | {"seed": 2**63})
