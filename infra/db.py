@@ -26,11 +26,14 @@ from sqlalchemy import (
     Connection,
     DateTime,
     Engine,
+    Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     String,
     Table,
+    Text,
     create_engine,
     event,
     make_url,
@@ -129,6 +132,77 @@ consumer_offsets = Table(
     PrimaryKeyConstraint("worker", "topic", "partition", name="pk_consumer_offsets"),
 )
 """Input positions of workers that consume in Kafka "assign mode" and so keep them here, not in consumer groups."""
+
+# --- the experience bank (migration 0002; written by `pipeline.bank.store`) ------------------------------------------
+# A projection of crl.experience-ops: `crl replay bank` rebuilds it from the log. List-valued columns hold JSON text
+# so that SQLite and PostgreSQL store them the same way.
+
+experiences = Table(
+    "experiences",
+    metadata,
+    Column("experience_id", String(256), nullable=False),
+    Column("task_family", String(256), nullable=False),
+    Column("text", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+    # "active" or "retired".
+    Column("status", String(16), nullable=False),
+    Column("merged_into", String(256), nullable=True),
+    # JSON list of the experience ids merged into this one.
+    Column("parents", Text, nullable=False),
+    Column("generation_id", String(256), nullable=False),
+    Column("extractor_version", Integer, nullable=False),
+    # JSON list of trajectory ids.
+    Column("source_trajectory_ids", Text, nullable=False),
+    Column("retired_reason", String(64), nullable=True),
+    Column("key_model", String(256), nullable=False),
+    Column("key_dim", Integer, nullable=False),
+    # The key vector as little-endian float16 bytes (`key_dim * 2` of them).
+    Column("key", LargeBinary, nullable=False),
+    # JSON list of the offsets in crl.experience-ops of every op that touched the experience.
+    Column("op_offsets", Text, nullable=False),
+    Column("retrievals", Integer, nullable=False),
+    Column("trainings", Integer, nullable=False),
+    Column("last_trained_step", BigInteger, nullable=True),
+    PrimaryKeyConstraint("experience_id", name="pk_experiences"),
+    Index("ix_experiences_task_family_status", "task_family", "status"),
+)
+"""The bank's experiences at their current version (`pipeline.bank.state.Experience` without its history)."""
+
+experience_versions = Table(
+    "experience_versions",
+    metadata,
+    Column("experience_id", String(256), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("text", Text, nullable=False),
+    Column("op_id", String(256), nullable=False),
+    Column("op_kind", String(64), nullable=False),
+    Column("op_offset", BigInteger, nullable=False),
+    Column("generation_id", String(256), nullable=False),
+    Column("extractor_version", Integer, nullable=False),
+    # JSON list of trajectory ids.
+    Column("source_trajectory_ids", Text, nullable=False),
+    PrimaryKeyConstraint("experience_id", "version", name="pk_experience_versions"),
+)
+"""Every version of every experience's text and the op that wrote it; rows are only ever added."""
+
+bank_position = Table(
+    "bank_position",
+    metadata,
+    Column("topic", String(255), nullable=False),
+    Column("partition", Integer, nullable=False),
+    # The first op offset the stored view does not include yet.
+    Column("next_offset", BigInteger, nullable=False),
+    # The Kafka topic id of the op log the offset counts in.
+    Column("log_id", String(64), nullable=False),
+    # BankState.state_hash() of the stored view, for comparison with a rebuild (`crl replay bank`).
+    Column("state_hash", String(64), nullable=False),
+    Column("applied", BigInteger, nullable=False),
+    Column("duplicates", BigInteger, nullable=False),
+    Column("rejected", BigInteger, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    PrimaryKeyConstraint("topic", "partition", name="pk_bank_position"),
+)
+"""Where in the op log the stored bank stands; written in the same transaction as the rows it describes."""
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

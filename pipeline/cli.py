@@ -38,7 +38,12 @@ app = typer.Typer(
 topics_app = typer.Typer(help="Create and inspect the registry's Kafka topics.", no_args_is_help=True)
 stack_app = typer.Typer(help="The embedded broker stack (no Docker needed).", no_args_is_help=True)
 audit_app = typer.Typer(help="Read-only DuckDB over a run's Parquet archive.", no_args_is_help=True)
+replay_app = typer.Typer(help="Rebuild projections from the log and compare them with the live ones.",
+                         no_args_is_help=True)
+bank_app = typer.Typer(help="Inspect a run's experience bank.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
+app.add_typer(replay_app, name="replay")
+app.add_typer(bank_app, name="bank")
 app.add_typer(stack_app, name="stack")
 app.add_typer(audit_app, name="audit")
 
@@ -374,6 +379,110 @@ def audit_events(
         except AuditQueryError as exc:
             raise _fail(str(exc)) from exc
     _print_rows(columns, rows, output)
+
+
+# -- bank -----------------------------------------------------------------------------------------------------------
+
+
+def _bank_store(run_dir: Path) -> Any:
+    from infra.db import database_url, make_engine, migrate
+    from pipeline.bank.store import BankStore
+
+    if not run_dir.is_dir():
+        raise _fail(f"no run directory at {run_dir}", 2)
+    engine = make_engine(database_url(_settings(run_dir).db, run_dir))
+    migrate(engine)
+    return BankStore(engine)
+
+
+@replay_app.command("bank")
+def replay_bank(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (archive, SQL bank, snapshots).")],
+    from_kafka: Annotated[bool, typer.Option("--from-kafka", help="Read the op log from Kafka, not the archive.")]
+    = False,
+    log_id: Annotated[str | None, typer.Option(help="Which archived op log (default: the live bank's).")] = None,
+) -> None:
+    """Rebuild the bank from offset 0 and compare its hash with the live SQL position and the newest snapshot."""
+    from pipeline.bank.replay import Checkpoint, archived_logs, ops_from_archive, ops_from_kafka, replay
+    from pipeline.bank.snapshots import newest_snapshot, read_manifest, snapshots_root
+    from schemas.topics import EXPERIENCE_OPS_TOPIC
+
+    store = _bank_store(run_dir)
+    live = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
+    if from_kafka:
+        ops = ops_from_kafka(_kafka(_settings(run_dir)))
+        source = "crl.experience-ops on Kafka"
+    else:
+        logs = archived_logs(run_dir)
+        chosen = log_id or (live.log_id if live else None) or (logs[0][0] if logs else None)
+        if chosen is None:
+            raise _fail(f"the archive of {run_dir} holds no experience ops", 1)
+        ops = ops_from_archive(run_dir, chosen)
+        source = f"the archive (log {chosen})"
+    checkpoints = []
+    if live is not None:
+        checkpoints.append(Checkpoint("live SQL bank", live.next_offset, live.state_hash))
+    snapshot = newest_snapshot(snapshots_root(run_dir), log_id=live.log_id if live else None)
+    if snapshot is not None:
+        manifest = read_manifest(snapshot)
+        checkpoints.append(Checkpoint(f"snapshot {snapshot.name}", manifest.next_offset, manifest.state_hash))
+    result = replay(ops, checkpoints)
+    state = result.state
+    console.print(f"replayed {source}")
+    console.print(f"ops {result.ops} applied {state.applied} duplicates {state.duplicates} "
+                  f"rejected {state.rejected} state_hash {state.state_hash()}")
+    table = Table("compared with", "offset", "recorded", "replay", "match")
+    for checkpoint in checkpoints:
+        replayed = result.hashes.get(checkpoint.name)
+        table.add_row(checkpoint.name, str(checkpoint.next_offset), checkpoint.state_hash[:16],
+                      (replayed or "log ended before")[:16],
+                      "[green]yes[/green]" if replayed == checkpoint.state_hash else "[red]NO[/red]")
+    if checkpoints:
+        console.print(table)
+    problems = result.mismatches(checkpoints)
+    for problem in problems:
+        errors.print(f"[red]mismatch:[/red] {problem}")
+    if problems:
+        raise typer.Exit(1)
+
+
+@bank_app.command("show")
+def bank_show(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    experience_id: Annotated[str | None, typer.Argument(help="One experience: every version and its op.")] = None,
+    family: Annotated[str | None, typer.Option(help="Only this task family.")] = None,
+    all_statuses: Annotated[bool, typer.Option("--all", help="Include retired experiences.")] = False,
+) -> None:
+    """List the bank's experiences, or show one with its whole version history."""
+    store = _bank_store(run_dir)
+    if experience_id is None:
+        rows = store.experiences(status=None if all_statuses else "active", task_family=family)
+        table = Table("experience", "family", "v", "status", "served", "trained", "text")
+        for row in rows:
+            table.add_row(row["experience_id"], row["task_family"], str(row["version"]), row["status"],
+                          str(row["retrievals"]), str(row["trainings"]), row["text"][:90])
+        console.print(table)
+        position = store.position("crl.experience-ops", 0)
+        if position is not None:
+            console.print(f"{len(rows)} experiences; bank at offset {position.next_offset}, "
+                          f"state_hash {position.state_hash}")
+        return
+    row = store.experience(experience_id)
+    if row is None:
+        raise _fail(f"no experience {experience_id} in {run_dir}", 1)
+    console.print(f"[bold]{row['experience_id']}[/bold]  family {row['task_family']}  version {row['version']}  "
+                  f"{row['status']}" + (f" ({row['retired_reason']}, merged into {row['merged_into']})"
+                                        if row["merged_into"] else f" ({row['retired_reason']})"
+                                        if row["retired_reason"] else ""))
+    if row["parents"]:
+        console.print(f"merged from {', '.join(row['parents'])}")
+    console.print(f"served {row['retrievals']} times, trained {row['trainings']} times")
+    table = Table("v", "op", "offset", "generation", "extractor", "sources", "text")
+    for version in store.versions(experience_id):
+        table.add_row(str(version["version"]), f"{version['op_kind']} {version['op_id']}", str(version["op_offset"]),
+                      version["generation_id"], str(version["extractor_version"]),
+                      ", ".join(version["source_trajectory_ids"]), version["text"])
+    console.print(table)
 
 
 def main() -> None:

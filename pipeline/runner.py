@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pipeline.blobs import BlobStore
-from pipeline.errors import PoisonMessageError, RetryableError, WorkerFailedError
+from pipeline.errors import ConfigError, PoisonMessageError, RetryableError, WorkerFailedError
 from pipeline.settings import RunnerSettings
 from pipeline.transport import InputLog, OffsetStore, OutputLog, Position, Record
 from schemas.base import Event, Producer
@@ -296,6 +296,8 @@ class WorkerRunner:
             except (PoisonMessageError, EventDecodeError) as exc:
                 self.publish_dead_letter(record, exc)
                 return None
+            except (ConfigError, WorkerFailedError):
+                raise  # the worker's environment is wrong, not this input: stop without committing it
             except Exception as exc:  # a handler bug on this input: record it with its class, keep the worker up
                 log.exception("handler failed on %s at %s[%d]@%d", event.kind, origin.topic, origin.partition,
                               origin.offset)

@@ -42,6 +42,18 @@ class ArchiverSettings(BaseModel):
     flush_interval_s: float = Field(default=2.0, gt=0, description="...or once the oldest buffered event is this old.")
 
 
+class BankSettings(BaseModel):
+    """The experience bank's projection. Environment: `CRL_BANK__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    snapshot_every: int = Field(default=500, gt=0, description="Write a snapshot after this many ops.")
+    exact_threshold: int = Field(
+        default=10_000, gt=0,
+        description="Families smaller than this are searched exactly (numpy); larger ones through USearch HNSW.",
+    )
+
+
 class EmbeddingSettings(BaseModel):
     """Sentence-embedding model for retrieval keys. Environment: `CRL_EMBEDDING__<FIELD>`."""
 
@@ -69,6 +81,7 @@ class Settings(BaseSettings):
     db: DbSettings = Field(default_factory=DbSettings)
     runner: RunnerSettings = Field(default_factory=RunnerSettings)
     archiver: ArchiverSettings = Field(default_factory=ArchiverSettings)
+    bank: BankSettings = Field(default_factory=BankSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
 
     @property

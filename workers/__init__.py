@@ -6,7 +6,9 @@ this registry through the `crl.workers` entry point in pyproject.toml).
 
 from pipeline.launch import WorkerClass
 from workers.archiver import Archiver
+from workers.bank import BankProjection
 
 WORKERS: dict[str, WorkerClass] = {
     Archiver.name: Archiver,
+    BankProjection.name: BankProjection,
 }

@@ -33,7 +33,7 @@ from pipeline.offsets import LogPosition, SqlOffsetStore
 
 pytestmark = pytest.mark.integration
 
-HEAD = "0001"
+HEAD = "0002"
 
 
 @pytest.fixture

@@ -1,0 +1,136 @@
+"""Bank snapshots: a directory per snapshot, written whole or not at all, that a replica or a restarted bank worker
+starts from instead of offset 0.
+
+    RUN_DIR/bank/snapshots/<next offset, 12 digits>/
+        state.json      BankState.to_snapshot(): experiences, histories, seen op ids, counts, state hash
+        index/          ExperienceIndex over the active experiences (derived; rebuilt in canonical order)
+        manifest.json   next offset, state hash, log id, counts, and the sha256 of every file above
+
+The directory is written under a hidden temporary name, fsynced, and renamed into place; reading verifies every
+file's sha256 and the state's own hash, so a torn or tampered snapshot is refused rather than trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.bank.index import ExperienceIndex
+from pipeline.bank.state import BankState
+
+
+class SnapshotError(ValueError):
+    """A snapshot directory is incomplete, corrupt, or not a snapshot."""
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    next_offset: int
+    state_hash: str
+    log_id: str
+    active_experiences: int
+    ops_applied: int
+    files: dict[str, str]
+    """Relative path -> sha256 of every file of the snapshot except the manifest."""
+
+
+def snapshots_root(run_dir: Path) -> Path:
+    return run_dir / "bank" / "snapshots"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    for folder in [directory, *sorted(p for p in directory.rglob("*") if p.is_dir())]:
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: int = 10_000) -> tuple[Path, SnapshotManifest]:
+    """Write `state` (and an index of its active experiences) as the snapshot at `state.next_offset`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{state.next_offset:012d}"
+    temporary = root / f".{final.name}.{os.getpid()}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    snapshot = state.to_snapshot()
+    (temporary / "state.json").write_text(json.dumps(snapshot, sort_keys=True, separators=(",", ":")))
+    (temporary / "index").mkdir()
+    if state.key_dim is not None:
+        items = [(e.experience_id, e.task_family, e.key) for e in state.active()]
+        ExperienceIndex.build(items, dim=state.key_dim, exact_threshold=exact_threshold).save(temporary / "index")
+    files = {str(path.relative_to(temporary)): _sha256(path)
+             for path in sorted(temporary.rglob("*")) if path.is_file()}
+    manifest = SnapshotManifest(
+        next_offset=state.next_offset,
+        state_hash=snapshot["state_hash"],
+        log_id=log_id,
+        active_experiences=sum(1 for _ in state.active()),
+        ops_applied=state.applied,
+        files=files,
+    )
+    (temporary / "manifest.json").write_text(json.dumps(asdict(manifest), sort_keys=True, indent=1))
+    _fsync_tree(temporary)
+    if final.exists():
+        # The same offset was snapshotted before a crash: the same ops give the same state, so keep either.
+        shutil.rmtree(temporary)
+        return final, read_manifest(final)
+    os.rename(temporary, final)
+    descriptor = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    return final, manifest
+
+
+def read_manifest(path: Path) -> SnapshotManifest:
+    try:
+        return SnapshotManifest(**json.loads((path / "manifest.json").read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise SnapshotError(f"{path} has no readable manifest: {exc}") from exc
+
+
+def newest_snapshot(root: Path, log_id: str | None = None) -> Path | None:
+    """The snapshot with the highest offset (of `log_id`, when given); temporary directories are ignored."""
+    candidates = sorted((p for p in root.glob("[0-9]" * 12) if p.is_dir()), reverse=True) if root.exists() else []
+    for path in candidates:
+        if log_id is None or read_manifest(path).log_id == log_id:
+            return path
+    return None
+
+
+def read_snapshot(path: Path) -> tuple[BankState, SnapshotManifest]:
+    """The state stored in the snapshot at `path`, after checking every file's sha256 and the state hash."""
+    manifest = read_manifest(path)
+    for relative, expected in manifest.files.items():
+        file = path / relative
+        if not file.is_file() or _sha256(file) != expected:
+            raise SnapshotError(f"{path}: {relative} is missing or does not match its sha256")
+    state = BankState.from_snapshot(json.loads((path / "state.json").read_text()))
+    if state.state_hash() != manifest.state_hash or state.next_offset != manifest.next_offset:
+        raise SnapshotError(f"{path}: state does not match its manifest")
+    return state, manifest
+
+
+def read_index(path: Path) -> ExperienceIndex | None:
+    """The snapshot's index, or None for a snapshot of an empty bank."""
+    index_dir = path / "index"
+    return ExperienceIndex.load(index_dir) if (index_dir / "manifest.json").exists() else None

@@ -1,0 +1,343 @@
+"""The experience bank as a pure state machine over `crl.experience-ops`. No I/O, no clocks, no randomness.
+
+    state = BankState()
+    for offset, op in enumerate(ops):
+        outcome = state.apply(op, offset)     # Applied | Duplicate | Rejected(reason)
+    state.state_hash()                        # equal on every replica that applied the same log
+
+Rules (DESIGN.md §4, PAPER.md "Experience operations"):
+- `ExperienceAdded` creates version 1 of a new id; an id that exists (even retired) is rejected.
+- `ExperienceRefined` keeps the id and bumps the version; the previous text stays in `history`.
+- `ExperienceMerged` creates a new experience whose `parents` are the sources, and retires every source with
+  `merged_into` set. All sources must be active, at their expected versions and of the merge's task family, or the
+  whole merge is rejected.
+- `ExperienceRetired` retires one experience (discarded in a merge, or evicted by the capacity cap).
+- Every touched experience must be at the op's `expected_version`; a mismatch, an unknown id or a retired target is
+  rejected with a reason. The decision depends only on the state and the op, so every replica decides the same.
+- An `op_id` seen before (applied or rejected) is a `Duplicate` and changes nothing: a re-processed trajectory or a
+  re-delivered record yields the same op ids.
+- Every key vector of a bank comes from one embedding model and dimension; an op with another is rejected.
+
+Retrieval and training counters come from other topics (`TrajectoryCompleted`, `TrainStepCompleted`) whose
+interleaving with the op log differs between consumers, so they are kept beside the hash, not in it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from schemas.arrays import EmbeddingVector
+from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
+
+ExperienceOp = ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired
+Status = Literal["active", "retired"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    op_id: str
+    touched: tuple[str, ...]
+    """Experience ids whose state changed (the new one first for adds and merges)."""
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    op_id: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    op_id: str
+    reason: str
+
+
+Outcome = Applied | Duplicate | Rejected
+
+
+@dataclass(frozen=True)
+class ExperienceVersion:
+    """One version of an experience's text and the op that wrote it."""
+
+    version: int
+    text: str
+    op_id: str
+    op_kind: str
+    op_offset: int
+    generation_id: str
+    extractor_version: int
+    source_trajectory_ids: tuple[str, ...]
+
+
+@dataclass
+class Experience:
+    experience_id: str
+    task_family: str
+    text: str
+    key: np.ndarray = field(repr=False)
+    """Key vector, float16, read-only (the embedding of the source query, or of the merged text)."""
+    version: int
+    status: Status
+    generation_id: str
+    """Generation that wrote the current version (credit for the episodes it guides goes there)."""
+    extractor_version: int
+    source_trajectory_ids: tuple[str, ...]
+    parents: tuple[str, ...] = ()
+    """Experiences merged into this one."""
+    merged_into: str | None = None
+    retired_reason: str | None = None
+    op_offsets: list[int] = field(default_factory=list)
+    """Offsets in crl.experience-ops of every op that touched this experience."""
+    history: list[ExperienceVersion] = field(default_factory=list)
+    retrievals: int = 0
+    """Times the experience was served to a guided episode (from TrajectoryCompleted)."""
+    trainings: int = 0
+    """Times a generation that wrote it entered an extractor training step (from TrainStepCompleted)."""
+    last_trained_step: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.status == "active"
+
+
+def _frozen_key(key: EmbeddingVector) -> np.ndarray:
+    vector = np.asarray(key.data, dtype="<f2")
+    vector.setflags(write=False)
+    return vector
+
+
+class BankState:
+    """Experiences by id, plus the op ids seen and the position in the op log."""
+
+    def __init__(self) -> None:
+        self.experiences: dict[str, Experience] = {}
+        self.seen_op_ids: set[str] = set()
+        self.key_model: str | None = None
+        self.key_dim: int | None = None
+        self.next_offset = 0
+        """First op offset not yet applied."""
+        self.applied = 0
+        self.duplicates = 0
+        self.rejected = 0
+
+    # -- applying ops ---------------------------------------------------------------------------------------------
+
+    def apply(self, op: ExperienceOp, offset: int) -> Outcome:
+        """Apply `op`, read at `offset` of the op log."""
+        self.next_offset = max(self.next_offset, offset + 1)
+        if op.op_id in self.seen_op_ids:
+            self.duplicates += 1
+            return Duplicate(op.op_id)
+        self.seen_op_ids.add(op.op_id)
+        reason = self._check(op)
+        if reason is not None:
+            self.rejected += 1
+            return Rejected(op.op_id, reason)
+        touched = self._change(op, offset)
+        self.applied += 1
+        return Applied(op.op_id, touched)
+
+    def _check_key(self, key: EmbeddingVector | None) -> str | None:
+        if key is None or self.key_model is None:
+            return None
+        if (key.model, key.dim) != (self.key_model, self.key_dim):
+            return (f"key from {key.model} ({key.dim}-d), but the bank's keys come from {self.key_model}"
+                    f" ({self.key_dim}-d)")
+        return None
+
+    def _check_target(self, experience_id: str, expected_version: int) -> str | None:
+        experience = self.experiences.get(experience_id)
+        if experience is None:
+            return f"unknown experience {experience_id}"
+        if not experience.active:
+            into = f", merged into {experience.merged_into}" if experience.merged_into else ""
+            return f"experience {experience_id} is retired ({experience.retired_reason}{into})"
+        if experience.version != expected_version:
+            return (f"version conflict on {experience_id}: the op expects version {expected_version},"
+                    f" the bank has version {experience.version}")
+        return None
+
+    def _check(self, op: ExperienceOp) -> str | None:
+        """Why `op` cannot be applied, or None."""
+        if isinstance(op, ExperienceAdded):
+            if op.experience_id in self.experiences:
+                return f"experience {op.experience_id} already exists"
+            return self._check_key(op.key)
+        if isinstance(op, ExperienceRefined):
+            return self._check_target(op.experience_id, op.expected_version) or self._check_key(op.key)
+        if isinstance(op, ExperienceMerged):
+            if op.experience_id in self.experiences:
+                return f"experience {op.experience_id} already exists"
+            for source in op.sources:
+                reason = self._check_target(source.experience_id, source.expected_version)
+                if reason is not None:
+                    return f"merge source: {reason}"
+                family = self.experiences[source.experience_id].task_family
+                if family != op.task_family:
+                    return (f"merge source {source.experience_id} belongs to task family {family},"
+                            f" not {op.task_family}")
+            return self._check_key(op.key)
+        return self._check_target(op.experience_id, op.expected_version)
+
+    def _remember_key_space(self, key: EmbeddingVector) -> None:
+        if self.key_model is None:
+            self.key_model, self.key_dim = key.model, key.dim
+
+    def _change(self, op: ExperienceOp, offset: int) -> tuple[str, ...]:
+        if isinstance(op, ExperienceAdded | ExperienceMerged):
+            self._remember_key_space(op.key)
+            parents = tuple(s.experience_id for s in op.sources) if isinstance(op, ExperienceMerged) else ()
+            sources = op.source_trajectory_ids if isinstance(op, ExperienceAdded) else ()
+            created = Experience(
+                experience_id=op.experience_id,
+                task_family=op.task_family,
+                text=op.text,
+                key=_frozen_key(op.key),
+                version=1,
+                status="active",
+                generation_id=op.generation_id,
+                extractor_version=op.extractor_version,
+                source_trajectory_ids=sources,
+                parents=parents,
+                op_offsets=[offset],
+                history=[ExperienceVersion(1, op.text, op.op_id, op.kind, offset, op.generation_id,
+                                           op.extractor_version, sources)],
+            )
+            self.experiences[op.experience_id] = created
+            for parent in parents:
+                self._retire(parent, "merged", offset, merged_into=op.experience_id)
+            return (op.experience_id, *parents)
+        if isinstance(op, ExperienceRefined):
+            experience = self.experiences[op.experience_id]
+            experience.version += 1
+            experience.text = op.text
+            if op.key is not None:
+                self._remember_key_space(op.key)
+                experience.key = _frozen_key(op.key)
+            experience.generation_id = op.generation_id
+            experience.extractor_version = op.extractor_version
+            experience.source_trajectory_ids = tuple(
+                dict.fromkeys(experience.source_trajectory_ids + op.source_trajectory_ids)
+            )
+            experience.op_offsets.append(offset)
+            experience.history.append(ExperienceVersion(experience.version, op.text, op.op_id, op.kind, offset,
+                                                        op.generation_id, op.extractor_version,
+                                                        op.source_trajectory_ids))
+            return (op.experience_id,)
+        self._retire(op.experience_id, op.reason, offset)
+        return (op.experience_id,)
+
+    def _retire(self, experience_id: str, reason: str, offset: int, merged_into: str | None = None) -> None:
+        experience = self.experiences[experience_id]
+        experience.status = "retired"
+        experience.retired_reason = reason
+        experience.merged_into = merged_into
+        experience.op_offsets.append(offset)
+
+    # -- counters from other topics -------------------------------------------------------------------------------
+
+    def record_served(self, experience_ids: list[str]) -> None:
+        """An episode was guided by these experiences (one TrajectoryCompleted's `retrieved`)."""
+        for experience_id in experience_ids:
+            if experience_id in self.experiences:
+                self.experiences[experience_id].retrievals += 1
+
+    def record_trained(self, experience_ids: list[str], step: int) -> None:
+        """Generations that wrote these experiences entered extractor training step `step`."""
+        for experience_id in experience_ids:
+            experience = self.experiences.get(experience_id)
+            if experience is not None:
+                experience.trainings += 1
+                experience.last_trained_step = step
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def active(self, task_family: str | None = None) -> Iterator[Experience]:
+        """Active experiences in canonical (id) order, optionally of one task family."""
+        for experience_id in sorted(self.experiences):
+            experience = self.experiences[experience_id]
+            if experience.active and (task_family is None or experience.task_family == task_family):
+                yield experience
+
+    def state_hash(self) -> str:
+        """sha256 over the canonical, id-sorted state: id, family, version, status, text, lineage, key bytes.
+
+        Independent of wall time, of the order ops arrived in beyond the log's own order, and of counters.
+        """
+        digest = hashlib.sha256()
+        digest.update(json.dumps({"key_model": self.key_model, "key_dim": self.key_dim}).encode())
+        for experience_id in sorted(self.experiences):
+            experience = self.experiences[experience_id]
+            record = [
+                experience.experience_id, experience.task_family, experience.version, experience.status,
+                experience.text, experience.merged_into, list(experience.parents), experience.retired_reason,
+            ]
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+            digest.update(len(line).to_bytes(8, "little"))
+            digest.update(line)
+            digest.update(experience.key.astype("<f2").tobytes())
+        return digest.hexdigest()
+
+    # -- snapshots ------------------------------------------------------------------------------------------------
+
+    def to_snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue from `next_offset` (JSON-serialisable; keys as base64 float16)."""
+        experiences = []
+        for experience_id in sorted(self.experiences):
+            record = asdict(self.experiences[experience_id])
+            record["key"] = base64.b64encode(self.experiences[experience_id].key.astype("<f2").tobytes()).decode()
+            experiences.append(record)
+        return {
+            "format": 1,
+            "next_offset": self.next_offset,
+            "counts": {"applied": self.applied, "duplicates": self.duplicates, "rejected": self.rejected},
+            "key_model": self.key_model,
+            "key_dim": self.key_dim,
+            "seen_op_ids": sorted(self.seen_op_ids),
+            "experiences": experiences,
+            "state_hash": self.state_hash(),
+        }
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any]) -> BankState:
+        """Restore a state written by `to_snapshot`; raises ValueError if its recorded hash does not match."""
+        if snapshot.get("format") != 1:
+            raise ValueError(f"unknown bank snapshot format {snapshot.get('format')!r}")
+        state = cls()
+        state.next_offset = snapshot["next_offset"]
+        state.applied = snapshot["counts"]["applied"]
+        state.duplicates = snapshot["counts"]["duplicates"]
+        state.rejected = snapshot["counts"]["rejected"]
+        state.key_model = snapshot["key_model"]
+        state.key_dim = snapshot["key_dim"]
+        state.seen_op_ids = set(snapshot["seen_op_ids"])
+        for record in snapshot["experiences"]:
+            record = dict(record)
+            key = np.frombuffer(base64.b64decode(record.pop("key")), dtype="<f2").copy()
+            key.setflags(write=False)
+            record["history"] = [ExperienceVersion(**{**version, "source_trajectory_ids":
+                                                      tuple(version["source_trajectory_ids"])})
+                                 for version in record["history"]]
+            record["parents"] = tuple(record["parents"])
+            record["source_trajectory_ids"] = tuple(record["source_trajectory_ids"])
+            state.experiences[record["experience_id"]] = Experience(key=key, **record)
+        if state.state_hash() != snapshot["state_hash"]:
+            raise ValueError("bank snapshot is corrupt: its state does not match its recorded hash")
+        return state
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "next_offset": self.next_offset,
+            "applied": self.applied,
+            "duplicates": self.duplicates,
+            "rejected": self.rejected,
+            "experiences": len(self.experiences),
+            "active": sum(1 for e in self.experiences.values() if e.active),
+            "state_hash": self.state_hash(),
+        }
