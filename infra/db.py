@@ -6,7 +6,7 @@ the newest revision in `infra/migrations/versions` and is safe to call from many
 `alembic.ini`: the Alembic config is built in code (`alembic_config`).
 
     engine = make_engine(database_url(DbSettings(), run_dir))
-    migrate(engine)            # -> "0001"
+    migrate(engine)            # -> "0002" (the newest revision)
     check_connection(engine)   # -> "sqlite 3.40.1"
 """
 

@@ -387,6 +387,9 @@ class ExperienceIndex:
                                  f"float32 ({len(entries)}, {index.dim})")
             family = index._families[name] = _Family(index.dim)
             for (experience_id, key), vector in zip(entries, vectors, strict=True):
+                if key < family.next_key or experience_id in index._family_of:
+                    raise ValueError(f"{directory / MANIFEST}: entry {experience_id!r} -> {key} is out of order or "
+                                     "repeated")
                 family.next_key = key  # keys were handed out ascending; gaps are removed experiences
                 family.append(experience_id, vector)
                 index._family_of[experience_id] = name

@@ -87,10 +87,18 @@ def archived_logs(run_dir: Path) -> list[tuple[str, int, str]]:
 
 
 def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, ExperienceOp]]:
+    """Every archived record of the op log `log_id`, once per offset, in offset order.
+
+    Not the `events` view: it keeps one row per event id, but the bank consumed records, and the same event can sit
+    at two offsets (a producer retry); the bank counted the second one as a duplicate, so the replay must see it.
+    """
     with Audit(run_dir) as audit:
+        if not (audit.root / EXPERIENCE_OPS_TOPIC.name).is_dir():
+            return
+        pattern = str(audit.root / EXPERIENCE_OPS_TOPIC.name / "*.parquet").replace("'", "''")
         _, rows = audit.query(
-            f"SELECT \"offset\", CAST(payload AS VARCHAR) FROM events WHERE topic = '{EXPERIENCE_OPS_TOPIC.name}' "
-            f"AND log_id = '{log_id.replace(chr(39), '')}' ORDER BY \"offset\""
+            f"SELECT \"offset\", any_value(payload) FROM read_parquet('{pattern}') "
+            f"WHERE log_id = '{log_id.replace(chr(39), '')}' GROUP BY \"offset\" ORDER BY \"offset\""
         )
     for offset, payload in rows:
         yield offset, decode(EXPERIENCE_OPS_TOPIC, payload.encode())  # type: ignore[misc]

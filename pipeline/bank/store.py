@@ -7,7 +7,7 @@ The bank worker keeps its state in memory (`pipeline.bank.state.BankState`) and 
         topic="crl.experience-ops", partition=0, next_offset=state.next_offset, log_id=log_id,
         state_hash=state.state_hash(), applied=state.applied, duplicates=state.duplicates, rejected=state.rejected))
     store.position("crl.experience-ops")       # BankPosition(next_offset=..., state_hash=..., ...)
-    store.experience("e1")                     # {"experience_id": "e1", "version": 2, "key": array([...], float16), ...}
+    store.experience("e1")                     # {"experience_id": "e1", "version": 2, "key": array(float16), ...}
     store.versions("e1")                       # [{"version": 1, "op_id": ..., "text": ...}, {"version": 2, ...}]
     store.load_state()                         # a BankState with the same state_hash() as the one saved
 

@@ -10,6 +10,8 @@ Gaussian plus noise, normalised), not uniform random, so an index built on them 
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 
 from pipeline.bank.state import ExperienceOp
@@ -56,7 +58,9 @@ def synthetic_op_log(count: int, seed: int = 0, dim: int = 384, run_id: str = "s
         common = {"run_id": run_id, "producer": who, "generation_id": generation,
                   "extractor_version": index // 500}
         if kind == "duplicate" and ops:
-            ops.append(ops[int(rng.integers(len(ops)))])
+            # Re-published after an extractor restart: a new event carrying the same deterministic op id.
+            again = ops[int(rng.integers(len(ops)))]
+            ops.append(again.model_copy(update={"event_id": uuid.UUID(bytes=rng.bytes(16), version=4)}))
             continue
         if kind in ("refine", "retire", "conflict", "merge") and len(active) < 2:
             kind = "add"

@@ -138,3 +138,46 @@ def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstr
         state, manifest = read_snapshot(Path(event.uri.removeprefix("file://")))
         assert (manifest.state_hash, manifest.next_offset) == (event.state_hash, event.next_offset)
         assert state.state_hash() == replay(enumerate(ops[: event.next_offset])).state.state_hash()
+
+
+def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bootstrap, tmp_path):
+    from infra.kafka import KafkaSettings
+    from pipeline.launch import build_runner
+    from pipeline.runner import Limits
+    from pipeline.settings import BankSettings, RunnerSettings, Settings
+    from sqlalchemy import text
+    from workers.archiver import Archiver
+    from workers.bank import BankProjection
+
+    ops = synthetic_op_log(300, seed=11)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for op in ops:
+        producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
+    producer.close()
+    settings = Settings(run_dir=tmp_path, run_id="replay-it", kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+                        runner=RunnerSettings(poll_timeout_ms=50), bank=BankSettings(snapshot_every=120))
+    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=len(ops), timeout_s=60)).run()
+    # The archiver also reads the two BankSnapshotWritten events the bank published.
+    build_runner(Archiver, settings, instance="archiver-0", limits=Limits(max_events=len(ops) + 2, timeout_s=60)).run()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"COLUMNS": "200"}
+    good = subprocess.run([*CRL, "replay", "bank", str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    clean = replay(enumerate(ops)).state
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert f"ops {len(ops)} applied {clean.applied} duplicates {clean.duplicates} rejected {clean.rejected} " \
+           f"state_hash {clean.state_hash()}" in good.stdout
+    assert "live SQL bank" in good.stdout and "snapshot 000000000240" in good.stdout
+    shown = subprocess.run([*CRL, "bank", "show", str(tmp_path)], capture_output=True, text=True, env=env, timeout=60)
+    assert shown.returncode == 0 and f"bank at offset {len(ops)}" in shown.stdout
+    one = next(e for e in clean.experiences.values() if e.version > 1)
+    detail = subprocess.run([*CRL, "bank", "show", str(tmp_path), one.experience_id], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert detail.returncode == 0 and f"version {one.version}" in detail.stdout
+    assert all(version.op_id in detail.stdout for version in one.history)
+    # Tamper with the live bank: the replay must notice.
+    engine = make_engine(database_url(DbSettings(), tmp_path))
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE bank_position SET state_hash = :h"), {"h": "0" * 64})
+    bad = subprocess.run([*CRL, "replay", "bank", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1
+    assert f"mismatch: live SQL bank at offset {len(ops)}" in bad.stderr
