@@ -57,7 +57,11 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 def _floats(value: Any, dtype: str) -> tuple[float, ...]:
     if isinstance(value, str):
-        array = _from_base64(value, dtype).astype(np.float64)
+        # Off the wire the values are already in `dtype`: no quantisation, only the finiteness check.
+        wire = _from_base64(value, dtype)
+        if not np.all(np.isfinite(wire)):
+            raise ValueError("NaN or infinite values are not allowed")
+        return tuple(wire.tolist())
     else:
         try:
             array = np.asarray(value, dtype=np.float64)

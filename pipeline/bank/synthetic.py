@@ -6,11 +6,14 @@ re-published ops (the same `op_id` again, as after an extractor restart). Key ve
 Gaussian plus noise, normalised), not uniform random, so an index built on them behaves as on real embeddings.
 
     ops = synthetic_op_log(10_000, seed=0)          # list of ExperienceAdded / Refined / Merged / Retired
+    for op in iter_synthetic_ops(1_000_000): ...    # the same, lazily, for logs too large for memory
 """
 
 from __future__ import annotations
 
 import uuid
+from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -39,28 +42,44 @@ def embedding_like(rng: np.random.Generator, count: int, dim: int = 384, rank: i
 
 
 def synthetic_op_log(count: int, seed: int = 0, dim: int = 384, run_id: str = "synthetic") -> list[ExperienceOp]:
+    """A whole log in memory (see `iter_synthetic_ops` for logs too large for that)."""
+    return list(iter_synthetic_ops(count, seed, dim, run_id))
+
+
+def iter_synthetic_ops(count: int, seed: int = 0, dim: int = 384, run_id: str = "synthetic",
+                       chunk: int = 10_000) -> Iterator[ExperienceOp]:
+    """Up to `count` ops, generated lazily (vectors in chunks; re-publications drawn from the last 2,000 ops)."""
     rng = np.random.default_rng(seed)
     who = Producer(worker="extractor", instance="extractor-synthetic")
-    vectors = embedding_like(rng, count, dim)
     kinds = list(MIX)
     weights = np.array([MIX[k] for k in kinds])
     active: dict[str, tuple[str, int]] = {}  # id -> (family, version)
+    active_ids: list[str] = []  # insertion order; ids leave lazily (checked against `active`)
     retired: list[tuple[str, int]] = []
-    ops: list[ExperienceOp] = []
+    recent: deque[ExperienceOp] = deque(maxlen=2000)
     created = 0
+    vectors = np.empty((0, dim), dtype=np.float32)
 
-    def vector(index: int) -> EmbeddingVector:
-        return EmbeddingVector.from_array("all-MiniLM-L6-v2", vectors[index])
+    def pick_active() -> str:
+        while True:
+            candidate = active_ids[int(rng.integers(len(active_ids)))]
+            if candidate in active:
+                return candidate
+            active_ids.remove(candidate)
 
     for index in range(count):
+        if index % chunk == 0:
+            vectors = embedding_like(rng, min(chunk, count - index), dim)
+        vector = EmbeddingVector.from_array("all-MiniLM-L6-v2", vectors[index % chunk])
         kind = kinds[rng.choice(len(kinds), p=weights)]
         generation = f"gen-{index}"
         common = {"run_id": run_id, "producer": who, "generation_id": generation,
                   "extractor_version": index // 500}
-        if kind == "duplicate" and ops:
+        op: ExperienceOp
+        if kind == "duplicate" and recent:
             # Re-published after an extractor restart: a new event carrying the same deterministic op id.
-            again = ops[int(rng.integers(len(ops)))]
-            ops.append(again.model_copy(update={"event_id": uuid.UUID(bytes=rng.bytes(16), version=4)}))
+            again = recent[int(rng.integers(len(recent)))]
+            yield again.model_copy(update={"event_id": uuid.UUID(bytes=rng.bytes(16), version=4)})
             continue
         if kind in ("refine", "retire", "conflict", "merge") and len(active) < 2:
             kind = "add"
@@ -69,44 +88,47 @@ def synthetic_op_log(count: int, seed: int = 0, dim: int = 384, run_id: str = "s
             experience_id = f"exp-{created}"
             created += 1
             active[experience_id] = (family, 1)
-            ops.append(ExperienceAdded(**common, op_id=f"{generation}:0", experience_id=experience_id,
-                                       task_family=family, text=f"Tip {index}: keep walls on your left in {family}.",
-                                       key=vector(index), source_trajectory_ids=(f"traj-{index}",)))
+            active_ids.append(experience_id)
+            op = ExperienceAdded(**common, op_id=f"{generation}:0", experience_id=experience_id, task_family=family,
+                                 text=f"Tip {index}: keep walls on your left in {family}.", key=vector,
+                                 source_trajectory_ids=(f"traj-{index}",))
         elif kind == "refine":
-            experience_id = sorted(active)[int(rng.integers(len(active)))]
+            experience_id = pick_active()
             family, version = active[experience_id]
             active[experience_id] = (family, version + 1)
-            ops.append(ExperienceRefined(**common, op_id=f"{generation}:0", experience_id=experience_id,
-                                         expected_version=version, text=f"Refined tip {index} for {family}.",
-                                         source_trajectory_ids=(f"traj-{index}",)))
+            op = ExperienceRefined(**common, op_id=f"{generation}:0", experience_id=experience_id,
+                                   expected_version=version, text=f"Refined tip {index} for {family}.",
+                                   source_trajectory_ids=(f"traj-{index}",))
         elif kind == "conflict":
             if retired and rng.random() < 0.5:
                 experience_id, version = retired[int(rng.integers(len(retired)))]
             else:
-                experience_id = sorted(active)[int(rng.integers(len(active)))]
-                version = max(1, active[experience_id][1] - 1) if active[experience_id][1] > 1 else 7
-            ops.append(ExperienceRefined(**common, op_id=f"{generation}:0", experience_id=experience_id,
-                                         expected_version=version, text=f"Stale rewrite {index}.",
-                                         source_trajectory_ids=(f"traj-{index}",)))
+                experience_id = pick_active()
+                version = active[experience_id][1] - 1 if active[experience_id][1] > 1 else 7
+            op = ExperienceRefined(**common, op_id=f"{generation}:0", experience_id=experience_id,
+                                   expected_version=version, text=f"Stale rewrite {index}.",
+                                   source_trajectory_ids=(f"traj-{index}",))
         elif kind == "retire":
-            experience_id = sorted(active)[int(rng.integers(len(active)))]
+            experience_id = pick_active()
             _family, version = active.pop(experience_id)
             retired.append((experience_id, version))
-            ops.append(ExperienceRetired(**common, op_id=f"{generation}:0", experience_id=experience_id,
-                                         expected_version=version, reason="capacity"))
+            op = ExperienceRetired(**common, op_id=f"{generation}:0", experience_id=experience_id,
+                                   expected_version=version, reason="capacity")
         else:
             family = FAMILIES[int(rng.integers(len(FAMILIES)))]
-            members = sorted(i for i, (f, _v) in active.items() if f == family)
+            members = [pick_active() for _ in range(12)]
+            members = sorted({m for m in members if active[m][0] == family})
             if len(members) < 2:
                 continue
-            chosen = [members[int(i)] for i in rng.choice(len(members), size=min(3, len(members)), replace=False)]
+            chosen = members[:3]
             sources = tuple(VersionedExperience(experience_id=i, expected_version=active[i][1]) for i in chosen)
             for source in chosen:
                 retired.append((source, active.pop(source)[1]))
             experience_id = f"exp-{created}"
             created += 1
             active[experience_id] = (family, 1)
-            ops.append(ExperienceMerged(**common, op_id=f"{generation}:0", experience_id=experience_id,
-                                        task_family=family, text=f"Merged tip {index} for {family}.",
-                                        key=vector(index), sources=sources))
-    return ops
+            active_ids.append(experience_id)
+            op = ExperienceMerged(**common, op_id=f"{generation}:0", experience_id=experience_id, task_family=family,
+                                  text=f"Merged tip {index} for {family}.", key=vector, sources=sources)
+        recent.append(op)
+        yield op

@@ -1,0 +1,240 @@
+"""Read replicas of the experience bank for the workers that search it (rollout, extractor).
+
+    replica = BankReplica(kafka_settings, run_dir).start()   # newest snapshot, then tails crl.experience-ops
+    replica.wait_caught_up(timeout_s=10)
+    candidates, bank_offset = replica.search_candidates(query_vectors, ["minihack-room"], k=16)
+
+`LocalBank` is the part without Kafka: the state machine plus its index, with a writer lock for applying ops and
+shared reader locks for searching (DESIGN.md §4), usable directly in tests and benchmarks. `BankReplica` adds the
+tail: it starts from the newest snapshot of the current log (or offset 0), applies every op in a background thread,
+and knows it is caught up when its applied offset reaches the partition's high watermark (`highwater()`, which is
+right on Tansu where `end_offsets()` is not; see shared/KAFKA.md).
+
+A replica decides every op exactly as the bank worker does (same state machine, same log order), so its
+`state_hash()` equals the bank's at the same offset. Records that do not decode are skipped here: the bank worker
+dead-letters them, and a replica must not write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from kafka import TopicPartition
+
+from infra.admin import topic_ids
+from infra.kafka import KafkaSettings, make_admin, make_consumer
+from pipeline.bank.index import ExperienceIndex
+from pipeline.bank.snapshots import SnapshotError, newest_snapshot, read_snapshot, snapshots_root
+from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
+from schemas.codec import EventDecodeError, decode
+from schemas.topics import EXPERIENCE_OPS_TOPIC
+
+log = logging.getLogger(__name__)
+
+
+class ReadWriteLock:
+    """Many readers or one writer; a waiting writer holds off new readers, so a stream of searches cannot starve
+    the op tail."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._condition:
+            while self._writing or self._writers_waiting:
+                self._condition.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._condition:
+            self._readers -= 1
+            if not self._readers:
+                self._condition.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._condition:
+            self._writers_waiting += 1
+            while self._writing or self._readers:
+                self._condition.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+
+    def release_write(self) -> None:
+        with self._condition:
+            self._writing = False
+            self._condition.notify_all()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An experience as a search found it, with what ranking and credit need."""
+
+    experience_id: str
+    task_family: str
+    version: int
+    generation_id: str
+    text: str
+    score: float
+    """Cosine similarity between the query and the experience's key."""
+
+
+class LocalBank:
+    """The bank state and its index in one process, guarded by a readers/writer lock."""
+
+    def __init__(self, state: BankState | None = None, exact_threshold: int = 10_000) -> None:
+        self.state = state or BankState()
+        self.exact_threshold = exact_threshold
+        self.lock = ReadWriteLock()
+        self.index: ExperienceIndex | None = None
+        if self.state.key_dim is not None:
+            self.index = ExperienceIndex.build(
+                ((e.experience_id, e.task_family, e.key) for e in self.state.active()),
+                dim=self.state.key_dim, exact_threshold=exact_threshold,
+            )
+
+    def apply(self, op: ExperienceOp, offset: int) -> Outcome:
+        """Apply one op (writer lock) and bring the index in line with the experiences it touched."""
+        self.lock.acquire_write()
+        try:
+            outcome = self.state.apply(op, offset)
+            if isinstance(outcome, Applied):
+                if self.index is None and self.state.key_dim is not None:
+                    self.index = ExperienceIndex(self.state.key_dim, self.exact_threshold)
+                for experience_id in outcome.touched:
+                    self._reindex(self.state.experiences[experience_id])
+            return outcome
+        finally:
+            self.lock.release_write()
+
+    def _reindex(self, experience: Experience) -> None:
+        assert self.index is not None
+        if experience.active:
+            self.index.add(experience.experience_id, experience.task_family, experience.key)
+        elif experience.experience_id in self.index:
+            self.index.remove(experience.experience_id)
+
+    @property
+    def offset(self) -> int:
+        """The next op offset not yet applied: the bank version every search result is served from."""
+        self.lock.acquire_read()
+        try:
+            return self.state.next_offset
+        finally:
+            self.lock.release_read()
+
+    def state_hash(self) -> str:
+        self.lock.acquire_read()
+        try:
+            return self.state.state_hash()
+        finally:
+            self.lock.release_read()
+
+    def search_candidates(
+        self, queries: np.ndarray, task_families: Sequence[str], k: int
+    ) -> tuple[list[list[Candidate]], int]:
+        """Up to `k` candidates per query (best first, within its family) and the offset they were served from."""
+        self.lock.acquire_read()
+        try:
+            if self.index is None:
+                return [[] for _ in task_families], self.state.next_offset
+            found = self.index.search(queries, task_families, k)
+            results = []
+            for hits in found:
+                candidates = []
+                for experience_id, score in hits:
+                    experience = self.state.experiences[experience_id]
+                    candidates.append(Candidate(experience_id, experience.task_family, experience.version,
+                                                experience.generation_id, experience.text, float(score)))
+                results.append(candidates)
+            return results, self.state.next_offset
+        finally:
+            self.lock.release_read()
+
+
+class BankReplica(LocalBank):
+    """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot in a background thread."""
+
+    def __init__(self, kafka: KafkaSettings, run_dir: Path | None = None, exact_threshold: int = 10_000) -> None:
+        self.kafka = kafka
+        self.run_dir = run_dir
+        self._partition = TopicPartition(EXPERIENCE_OPS_TOPIC.name, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._high_watermark: int | None = None
+        self.skipped = 0
+        """Records that did not decode (the bank worker dead-letters them)."""
+        self._read_to = 0
+        """Next offset read from the partition, skipped records included."""
+        self.failure: BaseException | None = None
+        admin = make_admin(kafka, client_id="crl-bank-replica")
+        try:
+            self.log_id = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
+        finally:
+            admin.close()
+        state = None
+        if run_dir is not None:
+            snapshot = newest_snapshot(snapshots_root(run_dir), log_id=self.log_id)
+            if snapshot is not None:
+                try:
+                    state, _manifest = read_snapshot(snapshot)
+                    log.info("replica starts from snapshot %s", snapshot.name)
+                except SnapshotError as exc:
+                    log.warning("replica ignores snapshot %s and starts from offset 0: %s", snapshot, exc)
+        super().__init__(state, exact_threshold)
+
+    def start(self) -> BankReplica:
+        self._thread = threading.Thread(target=self._tail, name="bank-replica", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _tail(self) -> None:
+        consumer = make_consumer(self.kafka, client_id="crl-bank-replica")
+        try:
+            consumer.assign([self._partition])
+            consumer.seek(self._partition, self.state.next_offset)
+            while not self._stop.is_set():
+                for record in consumer.poll(timeout_ms=100).get(self._partition, []):
+                    self._read_to = record.offset + 1
+                    try:
+                        op = decode(EXPERIENCE_OPS_TOPIC, record.value)
+                    except EventDecodeError:
+                        self.skipped += 1
+                        continue
+                    self.apply(op, record.offset)  # type: ignore[arg-type]
+                high = consumer.highwater(self._partition)
+                if high is not None:
+                    self._high_watermark = high
+        except BaseException as exc:  # surfaced through caught_up() / failure, never lost in a daemon thread
+            self.failure = exc
+            log.exception("bank replica stopped tailing")
+        finally:
+            consumer.close(autocommit=False)
+
+    def caught_up(self) -> bool:
+        """True once every op up to the high watermark last seen is applied."""
+        if self.failure is not None:
+            raise RuntimeError(f"the bank replica stopped: {self.failure}") from self.failure
+        high = self._high_watermark
+        return high is not None and max(self.offset, self._read_to) >= high
+
+    def wait_caught_up(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.caught_up():
+                return True
+            time.sleep(0.02)
+        return self.caught_up()
