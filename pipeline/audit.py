@@ -124,7 +124,7 @@ def _empty_archive_sql() -> str:
     return f"SELECT {', '.join(columns)} WHERE false"
 
 
-# -- experience views -------------------------------------------------------------------------------------------------
+# -- experience views -----------------------------------------------------------------------------------------------
 
 EXPERIENCE_VIEWS = ("experience_history", "experiences", "experience_lineage", "experience_usage")
 

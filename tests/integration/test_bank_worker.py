@@ -89,6 +89,20 @@ def test_bank_killed_mid_batch_and_restarted_matches_a_clean_rebuild(kafka_boots
         snapshot = newest_snapshot(snapshots_root(tmp_path))
         state, manifest = read_snapshot(snapshot)
         assert state.state_hash() == replay(enumerate(ops[: manifest.next_offset])).state.state_hash()
+        # A BankReplica in another process (from the newest snapshot, then the tail) sees the same bank.
+        script = (
+            "import sys; from pathlib import Path; from infra.kafka import KafkaSettings; "
+            "from pipeline.bank.replica import BankReplica; "
+            "r = BankReplica(KafkaSettings(bootstrap_servers=sys.argv[1]), Path(sys.argv[2])).start(); "
+            "assert r.wait_caught_up(60), 'replica never caught up'; "
+            "print(r.offset, r.state_hash(), len(r.index or ())); r.stop()"
+        )
+        seen = subprocess.run([sys.executable, "-c", script, kafka_bootstrap, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120)
+        assert seen.returncode == 0, seen.stderr[-2000:]
+        offset, replica_hash, indexed = seen.stdout.split()
+        assert (int(offset), replica_hash) == (len(ops), clean.state_hash())
+        assert int(indexed) == sum(1 for _ in clean.active())
         # `crl replay bank --from-kafka` reproduces the live hash.
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("CRL_")},
                "CRL_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "COLUMNS": "200"}
