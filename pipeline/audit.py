@@ -10,11 +10,13 @@ Views:
 - one view per event kind, named in snake case (`trajectory_completed`, `dead_letter`, ...), with the envelope, the
   Kafka coordinates and every field of the event as a column (scalars typed, nested values as JSON).
 
-Experience views, made by replaying the op log when the audit opens (the same `replay` as `crl replay bank`, over
+Experience views, made by replaying the op log the first time a query reads one of them (the same `replay` as `crl replay bank`, over
 the records of the most recently written op log in the archive, which is the log `crl replay bank` picks when the
 bank has no live position; the log's id is `Audit.op_log_id`). DuckDB cannot run the bank's rules, and a replay
 agrees with the bank by construction: rejected ops (version conflicts, retired or unknown targets) and repeated op
-ids are in none of them. An archive without ops gives empty views.
+ids are in none of them. An archive without ops gives empty views. The replay runs at most once per `Audit` (about
+a second per 10,000 ops), and not at all for queries that do not name these views; they are listed in
+`EXPERIENCE_VIEWS`, apart from `Audit.view_names()`.
 - `experience_history`: one row per version of an experience, in log order: experience_id, version, text, op_kind,
   op_id, op_offset (offset in crl.experience-ops), generation_id, extractor_version, source_trajectory_ids (JSON,
   the trajectories this op read), occurred_at (of the op). Adds and merges make version 1, refines the next one;
@@ -186,6 +188,11 @@ EXPERIENCE_VIEW_SQL = {
 }
 
 
+def _json_list(values: Sequence[str]) -> str:
+    """Compact, like the JSON in `payload`, so equal lists compare equal as text."""
+    return json.dumps(list(values), separators=(",", ":"))
+
+
 def replayed_tables(state: BankState, ops: dict[int, ExperienceOp]) -> dict[str, list[dict[str, Any]]]:
     """Rows of the `replayed_bank` tables from a replayed `state`; `ops` maps every replayed offset to its op."""
     versions, experiences, lineage = [], [], []
@@ -196,7 +203,7 @@ def replayed_tables(state: BankState, ops: dict[int, ExperienceOp]) -> dict[str,
                 "experience_id": experience_id, "version": version.version, "text": version.text,
                 "op_kind": version.op_kind, "op_id": version.op_id, "op_offset": version.op_offset,
                 "generation_id": version.generation_id, "extractor_version": version.extractor_version,
-                "source_trajectory_ids": json.dumps(list(version.source_trajectory_ids)),
+                "source_trajectory_ids": _json_list(version.source_trajectory_ids),
                 "occurred_at": ops[version.op_offset].occurred_at,
             })
         # Retiring is the last thing that can happen to an experience, so its op is the last one that touched it.
@@ -204,9 +211,9 @@ def replayed_tables(state: BankState, ops: dict[int, ExperienceOp]) -> dict[str,
         experiences.append({
             "experience_id": experience_id, "task_family": experience.task_family, "version": experience.version,
             "status": experience.status, "text": experience.text, "merged_into": experience.merged_into,
-            "parents": json.dumps(list(experience.parents)), "generation_id": experience.generation_id,
+            "parents": _json_list(experience.parents), "generation_id": experience.generation_id,
             "extractor_version": experience.extractor_version, "retired_reason": experience.retired_reason,
-            "source_trajectory_ids": json.dumps(list(experience.source_trajectory_ids)),
+            "source_trajectory_ids": _json_list(experience.source_trajectory_ids),
             "retired_op_id": ops[retired_offset].op_id if retired_offset is not None else None,
             "retired_offset": retired_offset,
         })
@@ -268,7 +275,7 @@ class Audit:
             self.connection.execute(f"CREATE VIEW {_quote(snake_case(kind))} AS {kind_view_sql(event_type)}")
         self.op_log_id = self._newest_op_log()
         """The op log the experience views replay (None: the archive holds no experience ops)."""
-        self._create_experience_views()
+        self._experience_views_ready = False
         self.connection.execute(f"SET allowed_directories = [{_sql_string(str(self.root) + '/')}]")
         self.connection.execute("SET enable_external_access = false")
         self.connection.execute("SET lock_configuration = true")
@@ -331,6 +338,10 @@ class Audit:
             raise AuditQueryError(f"expected exactly one statement, got {len(statements)}")
         if statements[0].type not in ALLOWED_STATEMENTS:
             raise AuditQueryError(f"only SELECT / EXPLAIN statements are allowed (got {statements[0].type.name})")
+        if not self._experience_views_ready and any(name in sql for name in (*EXPERIENCE_VIEWS, "replayed_bank")):
+            # The replay costs ~1 s per 10,000 ops: paid once, and only by queries that read these views.
+            self._create_experience_views()
+            self._experience_views_ready = True
         try:
             cursor = self.connection.execute(sql, list(parameters))
             rows = cursor.fetchall()

@@ -353,13 +353,13 @@ def audit_sql(
     output: FormatOption = "table",
 ) -> None:
     """Run one read-only SQL statement over the run's archive. Views: events plus one per event kind."""
-    from pipeline.audit import Audit, AuditQueryError
+    from pipeline.audit import EXPERIENCE_VIEWS, Audit, AuditQueryError
 
     with _open_audit(run_dir) as audit:
         try:
             columns, rows = audit.query(sql)
         except AuditQueryError as exc:
-            raise _fail(f"{exc}\nviews: {', '.join(Audit.view_names())}") from exc
+            raise _fail(f"{exc}\nviews: {', '.join([*Audit.view_names(), *EXPERIENCE_VIEWS])}") from exc
     _print_rows(columns, rows, output)
 
 
@@ -381,19 +381,19 @@ def audit_events(
     _print_rows(columns, rows, output)
 
 
-@audit_app.command("experience")
+@audit_app.command("experience", help=(
+    "The whole history of one experience, from the archive alone (no bank database needed): every version's text "
+    "with the op that wrote it (kind, op id, offset, generation, extractor version, source trajectories), the merges "
+    "into and out of it, its retirement, how often it was served and how the episodes it guided went. The op log is "
+    "replayed with the bank's own rules, so rejected and repeated ops do not show."
+))
 def audit_experience(
     run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
     experience_id: Annotated[str, typer.Argument(help="Experience id, e.g. exp-1.")],
     episodes: Annotated[int, typer.Option(help="List at most this many of the episodes it guided (the latest).")]
     = 20,
 ) -> None:
-    """The whole history of one experience, from the archive alone (no bank database needed).
-
-    Every version's text with the op that wrote it (kind, op id, offset, generation, extractor version, source
-    trajectories), the merges into and out of it, its retirement, how often it was served and how the episodes it
-    guided went. The op log is replayed with the bank's own rules, so rejected and repeated ops do not show.
-    """
+    """The whole history of one experience, from the archive alone (no bank database needed)."""
     from rich.markup import escape
 
     with _open_audit(run_dir) as audit:
@@ -412,10 +412,10 @@ def audit_experience(
     status = state["status"]
     if record.merged_into is not None:
         into = record.merged_into
-        status += (f" ({state['retired_reason']}): merged into {into['merged_id']} at version {into['source_version']}"
-                   f" by {into['op_id']} at offset {into['op_offset']}")
+        status += (f": merged into {into['merged_id']} at version {into['source_version']} by {into['op_id']}"
+                   f" at offset {into['op_offset']}")
     elif state["retired_reason"] is not None:
-        status += f" ({state['retired_reason']}) by {state['retired_op_id']} at offset {state['retired_offset']}"
+        status += f": {state['retired_reason']}, by {state['retired_op_id']} at offset {state['retired_offset']}"
     say(f"{experience_id}  family {state['task_family']}  version {state['version']}  {status}")
     if record.merged_from:
         sources = ", ".join(f"{row['source_id']} v{row['source_version']}" for row in record.merged_from)
@@ -435,13 +435,13 @@ def audit_experience(
         say("never served")
         return
     served = len(record.episodes)
-    say(f"served {state['retrievals']} times: {record.successes} successes, {served - record.successes} failures, "
-        f"success rate {record.success_rate:.1%}, mean reward {record.mean_reward:.3f}")
+    say(f"served {state['retrievals']} times: {record.successes} succeeded, {served - record.successes} failed "
+        f"(success rate {record.success_rate:.1%}), mean reward {record.mean_reward:.3f}")
     for version in record.versions:
         guided = [row for row in record.episodes if row["version"] == version["version"]]
         if guided:
             wins = sum(1 for row in guided if row["success"])
-            say(f"  v{version['version']}: {len(guided)} episodes, success rate {wins / len(guided):.1%}")
+            say(f"  v{version['version']} served {len(guided)} times, success rate {wins / len(guided):.1%}")
     shown = record.episodes[-episodes:] if episodes > 0 else []
     table = Table("trajectory", "step", "version", "success", "reward",
                   title=f"latest {len(shown)} of {served} episodes" if len(shown) < served else None)
