@@ -6,7 +6,7 @@ the newest revision in `infra/migrations/versions` and is safe to call from many
 `alembic.ini`: the Alembic config is built in code (`alembic_config`).
 
     engine = make_engine(database_url(DbSettings(), run_dir))
-    migrate(engine)            # -> "0002" (the newest revision)
+    migrate(engine)            # -> "0003" (the newest revision)
     check_connection(engine)   # -> "sqlite 3.40.1"
 """
 
@@ -22,10 +22,12 @@ from alembic.runtime.migration import MigrationContext
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     Connection,
     DateTime,
     Engine,
+    Float,
     Index,
     Integer,
     LargeBinary,
@@ -203,6 +205,23 @@ bank_position = Table(
     PrimaryKeyConstraint("topic", "partition", name="pk_bank_position"),
 )
 """Where in the op log the stored bank stands; written in the same transaction as the rows it describes."""
+
+experience_served = Table(
+    "experience_served",
+    metadata,
+    Column("trajectory_id", String(256), nullable=False),
+    Column("experience_id", String(256), nullable=False),
+    # The version served and the generation that wrote it (credit for the episode's outcome goes there).
+    Column("version", Integer, nullable=False),
+    Column("generation_id", String(256), nullable=False),
+    Column("bank_offset", BigInteger, nullable=True),
+    Column("step", BigInteger, nullable=False),
+    Column("success", Boolean, nullable=False),
+    Column("reward", Float, nullable=False),
+    PrimaryKeyConstraint("trajectory_id", "experience_id", name="pk_experience_served"),
+)
+"""Every experience served to a guided episode, from TrajectoryCompleted; keyed by trajectory so re-delivered
+trajectories count once. `experiences.retrievals` is the number of rows here."""
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

@@ -2,7 +2,9 @@
 
     crl worker bank --run-dir runs/demo
 
-It reads the op topic (one partition) in assign mode. Each op goes through the pure state machine
+It reads the op topic (one partition) in assign mode, and `crl.trajectories` for the experiences each guided episode
+was served (`experience_served`, one row per trajectory and experience, so re-deliveries count once; the
+`retrievals` counter is recounted from it). Each op goes through the pure state machine
 (`pipeline.bank.state`); at every commit point the changed experiences, their new versions and the position (next
 offset, log id, state hash, counts) are written to SQL in one transaction (`pipeline.bank.store`). Every
 `CRL_BANK__SNAPSHOT_EVERY` ops it writes a snapshot (state + index + manifest, atomically) and publishes
@@ -23,35 +25,43 @@ from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.bank.store import BankPosition, BankStore
 from pipeline.errors import ConfigError
 from pipeline.launch import WorkerContext
-from pipeline.offsets import LogPosition
+from pipeline.offsets import LogPosition, SqlOffsetStore
 from pipeline.runner import Origin, Processor
 from pipeline.transport import OffsetStore, Position
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event, Producer
-from schemas.topics import EXPERIENCE_OPS_TOPIC
+from schemas.topics import EXPERIENCE_OPS_TOPIC, TRAJECTORIES
+from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
 
 
-class _PositionInState:
-    """The bank's input position is its state's `next_offset`: it is written with the state (SQL, snapshots), so
-    the runner's separate offset commit has nothing left to do."""
+class _BankPositions:
+    """Where the bank's input positions live. The op log's is the state's `next_offset`, written with the state
+    (SQL, snapshots), so the runner's commit has nothing to add for it; the trajectory topic's are kept in the SQL
+    offset store and committed after `flush()` made their served rows durable."""
 
-    def __init__(self, bank: BankProjection) -> None:
+    def __init__(self, bank: BankProjection, others: SqlOffsetStore) -> None:
         self.bank = bank
+        self.others = others
 
     def load(self) -> dict[Position, LogPosition]:
-        if self.bank.log_id is None:
-            return {}
-        return {(EXPERIENCE_OPS_TOPIC.name, 0): LogPosition(self.bank.state.next_offset, self.bank.log_id)}
+        positions = {position: stored for position, stored in self.others.load().items()
+                     if position[0] != EXPERIENCE_OPS_TOPIC.name}
+        if self.bank.log_id is not None:
+            positions[(EXPERIENCE_OPS_TOPIC.name, 0)] = LogPosition(self.bank.state.next_offset, self.bank.log_id)
+        return positions
 
     def save(self, positions: Mapping[Position, LogPosition]) -> None:
-        """Nothing to do: `BankProjection.flush()` stored the position in the same transaction as the state."""
+        others = {position: stored for position, stored in positions.items()
+                  if position[0] != EXPERIENCE_OPS_TOPIC.name}
+        if others:
+            self.others.save(others)
 
 
 class BankProjection(Processor):
     name = "bank"
-    inputs = (EXPERIENCE_OPS_TOPIC,)
+    inputs = (EXPERIENCE_OPS_TOPIC, TRAJECTORIES)
     consumption = "assign"
 
     def __init__(self, store: BankStore, context: WorkerContext) -> None:
@@ -64,6 +74,7 @@ class BankProjection(Processor):
         self.state = BankState()
         self.log_id: str | None = None
         self.changed: set[str] = set()
+        self.served: list[dict[str, object]] = []
         self.since_snapshot = 0
         position = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
         if position is not None:
@@ -81,9 +92,17 @@ class BankProjection(Processor):
         return cls(BankStore(context.engine), context)
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
-        return _PositionInState(self)
+        return _BankPositions(self, context.sql_offset_store(self.name))
 
     def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+        if isinstance(event, TrajectoryCompleted):
+            self.served += [
+                {"trajectory_id": event.trajectory_id, "experience_id": ref.experience_id, "version": ref.version,
+                 "generation_id": ref.generation_id, "bank_offset": event.bank_offset, "step": event.step,
+                 "success": event.success, "reward": event.reward}
+                for ref in event.retrieved
+            ]
+            return ()
         if self.log_id is None:
             self.log_id = origin.log_id
         elif origin.log_id != self.log_id:
@@ -109,17 +128,20 @@ class BankProjection(Processor):
         )]
 
     def flush(self) -> None:
-        if self.log_id is None:
-            return
         stored = self.store.position(EXPERIENCE_OPS_TOPIC.name, 0)
-        if stored is not None and stored.log_id == self.log_id and stored.next_offset > self.state.next_offset:
-            # Catching up after a restart from an older snapshot: SQL is already ahead; re-writing these rows would
-            # be idempotent, but moving the recorded position backwards would not be true.
+        catching_up = (stored is not None and stored.log_id == self.log_id
+                       and stored.next_offset > self.state.next_offset)
+        if self.log_id is None or catching_up:
+            # No op yet, or catching up after a restart from an older snapshot: SQL is already ahead; re-writing
+            # those rows would be idempotent, but moving the recorded position backwards would not be true.
             self.changed.clear()
+            self.store.record_served(self.served)
+            self.served = []
             return
         self.store.save(self.state, self.changed, BankPosition(
             topic=EXPERIENCE_OPS_TOPIC.name, partition=0, next_offset=self.state.next_offset, log_id=self.log_id,
             state_hash=self.state.state_hash(), applied=self.state.applied, duplicates=self.state.duplicates,
             rejected=self.state.rejected,
-        ))
+        ), served=self.served)
         self.changed.clear()
+        self.served = []

@@ -29,16 +29,16 @@ from `load_state()` therefore treats a re-delivered op as new; to continue apply
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, RowMapping, func, select
+from sqlalchemy import Connection, Engine, RowMapping, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from infra.db import bank_position, experience_versions, experiences
+from infra.db import bank_position, experience_served, experience_versions, experiences
 from pipeline.bank.state import BankState, Experience, ExperienceVersion
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -105,6 +105,9 @@ class BankStore:
         self._insert_versions = insert(experience_versions).on_conflict_do_nothing(
             index_elements=[experience_versions.c.experience_id, experience_versions.c.version]
         )
+        self._insert_served = insert(experience_served).on_conflict_do_nothing(
+            index_elements=[experience_served.c.trajectory_id, experience_served.c.experience_id]
+        )
         upsert = insert(bank_position)
         self._upsert_position = upsert.on_conflict_do_update(
             index_elements=[bank_position.c.topic, bank_position.c.partition],
@@ -113,13 +116,19 @@ class BankStore:
 
     # -- writing --------------------------------------------------------------------------------------------------
 
-    def save(self, state: BankState, changed: Iterable[str], position: BankPosition) -> None:
+    def save(self, state: BankState, changed: Iterable[str], position: BankPosition,
+             served: Sequence[Mapping[str, Any]] = ()) -> None:
         """Write the experiences `changed` since the last save, their new versions and `position`, in one transaction.
 
         `changed` must name every experience whose row differs from the stored one: those an applied op touched
         (`Applied.touched`) and those whose counters moved (`record_served`, `record_trained`). Saving the same
         state and position again changes nothing. Raises `KeyError`, writing nothing, if an id is not in `state`;
         any database error rolls back the whole save, position included.
+
+        `served` rows (columns of `experience_served`: trajectory_id, experience_id, version, generation_id,
+        bank_offset, step, success, reward) are inserted unless already there, and `experiences.retrievals` is
+        recounted from that table for every experience they or `changed` name, so a re-delivered trajectory never
+        counts twice.
         """
         # A fixed row order keeps two concurrent saves from locking the same rows in opposite orders (deadlock).
         ids = sorted(set(changed))
@@ -138,7 +147,26 @@ class BankStore:
                 versions = self._new_versions(connection, state, ids)
                 if versions:
                     connection.execute(self._insert_versions, versions)
+            self._record_served(connection, served, ids)
             connection.execute(self._upsert_position, [position_row])
+
+    def record_served(self, served: Sequence[Mapping[str, Any]]) -> None:
+        """Insert `served` rows (see `save`) and recount their experiences, in one transaction of its own."""
+        if served:
+            with self.engine.begin() as connection:
+                self._record_served(connection, served, ())
+
+    def _record_served(self, connection: Connection, served: Sequence[Mapping[str, Any]],
+                       changed: Sequence[str]) -> None:
+        if served:
+            connection.execute(self._insert_served, [dict(row) for row in served])
+        recount = sorted(set(changed) | {row["experience_id"] for row in served})
+        counted = (select(func.count()).select_from(experience_served)
+                   .where(experience_served.c.experience_id == experiences.c.experience_id)
+                   .scalar_subquery())
+        for chunk in _chunks(recount, 500):
+            connection.execute(update(experiences).where(experiences.c.experience_id.in_(chunk))
+                               .values(retrievals=counted))
 
     @staticmethod
     def _experience_row(state: BankState, experience: Experience) -> dict[str, Any]:

@@ -108,6 +108,16 @@ def apply_batch(state: BankState, ops: list, first_offset: int) -> set[str]:
     return changed
 
 
+def served_rows(state: BankState, pairs: list[tuple[str, str]]) -> list[dict]:
+    """experience_served rows: trajectory `t` was guided by the current version of experience `e`."""
+    return [
+        {"trajectory_id": t, "experience_id": e, "version": state.experiences[e].version,
+         "generation_id": state.experiences[e].generation_id, "bank_offset": state.next_offset, "step": 1,
+         "success": True, "reward": 1.0}
+        for t, e in pairs
+    ]
+
+
 def position_of(state: BankState, log_id: str = LOG_ID) -> BankPosition:
     return BankPosition(topic=TOPIC, partition=0, next_offset=state.next_offset, log_id=log_id,
                         state_hash=state.state_hash(), applied=state.applied, duplicates=state.duplicates,
@@ -138,7 +148,7 @@ def table_contents(engine: Engine) -> dict[str, list[tuple]]:
 
 @pytest.fixture
 def store(db_engine: Engine) -> BankStore:
-    assert migrate(db_engine) == "0002"
+    assert migrate(db_engine) == "0003"
     return BankStore(db_engine)
 
 
@@ -190,8 +200,8 @@ def _described(column_type: Any) -> tuple[type, int | None]:
 
 
 def test_migration_0002_creates_the_bank_tables_as_declared(db_engine: Engine) -> None:
-    assert migrate(db_engine) == "0002"
-    assert current_revision(db_engine) == "0002"
+    assert migrate(db_engine) == "0003"
+    assert current_revision(db_engine) == "0003"
     inspector = inspect(db_engine)
     for table, spec in COLUMNS.items():
         reflected = inspector.get_columns(table)
@@ -214,7 +224,7 @@ def test_downgrade_to_0001_drops_only_the_bank_tables(store: BankStore, db_engin
     tables = set(inspect(db_engine).get_table_names())
     assert tables.isdisjoint(BANK_TABLES) and "consumer_offsets" in tables
 
-    assert migrate(db_engine) == "0002"
+    assert migrate(db_engine) == "0003"
     assert set(BANK_TABLES) <= set(inspect(db_engine).get_table_names())
 
 
@@ -268,7 +278,8 @@ def test_a_later_batch_updates_rows_appends_versions_and_moves_the_position(stor
     saved.record_served(["m1", "m1", "e3"])
     saved.record_trained(["m1"], step=17)
     changed |= {"m1", "e3"}
-    store.save(saved, changed, position_of(saved))
+    store.save(saved, changed, position_of(saved),
+               served=served_rows(saved, [("t1", "m1"), ("t2", "m1"), ("t3", "e3")]))
 
     for experience_id in ("e1", "e2", "e3", "m1"):
         row = store.experience(experience_id)
@@ -370,6 +381,15 @@ def test_an_unknown_changed_id_raises_and_writes_nothing(store: BankStore, saved
     assert table_contents(db_engine) == before
 
 
+def test_served_rows_count_once_per_trajectory_and_survive_a_replayed_batch(store: BankStore,
+                                                                           saved: BankState) -> None:
+    rows = served_rows(saved, [("t1", "e1"), ("t2", "e1"), ("t2", "e3")])
+    store.save(saved, set(), position_of(saved), served=rows)
+    store.save(saved, set(), position_of(saved), served=rows[:2])  # a re-delivered trajectory after a restart
+    assert (store.experience("e1")["retrievals"], store.experience("e3")["retrievals"]) == (2, 1)
+    assert store.experience("e2")["retrievals"] == 0
+
+
 # --- load_state ----------------------------------------------------------------------------------------------------
 
 
@@ -377,7 +397,7 @@ def test_load_state_rebuilds_the_saved_state(store: BankStore, saved: BankState)
     changed = apply_batch(saved, BATCH_2, 5)
     saved.record_served(["m1"])
     saved.record_trained(["m1"], step=3)
-    store.save(saved, changed | {"m1"}, position_of(saved))
+    store.save(saved, changed | {"m1"}, position_of(saved), served=served_rows(saved, [("t1", "m1")]))
 
     loaded = store.load_state(key_model=MODEL)
 

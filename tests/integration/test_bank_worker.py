@@ -195,3 +195,47 @@ def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bo
     bad = subprocess.run([*CRL, "replay", "bank", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1
     assert f"mismatch: live SQL bank at offset {len(ops)}" in bad.stderr
+
+
+def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp_path):
+    from infra.kafka import KafkaSettings
+    from pipeline.launch import build_runner
+    from pipeline.runner import Limits
+    from pipeline.settings import RunnerSettings, Settings
+    from schemas.examples import example_events
+    from schemas.topics import TRAJECTORIES
+    from schemas.trajectories import ExperienceRef, TrajectoryCompleted
+    from workers.bank import BankProjection
+
+    ops = synthetic_op_log(60, seed=21)
+    state = replay(enumerate(ops)).state
+    first, second = [e for e in state.active()][:2]
+    template = next(e for e in example_events("count-it") if isinstance(e, TrajectoryCompleted))
+
+    def guided(trajectory_id: str, *served) -> TrajectoryCompleted:
+        refs = tuple(ExperienceRef(experience_id=e.experience_id, version=e.version, generation_id=e.generation_id)
+                     for e in served)
+        return template.model_copy(update={"trajectory_id": trajectory_id, "retrieved": refs})
+
+    trajectories = [guided("t1", first), guided("t2", first, second), guided("t3", second)]
+    trajectories.append(trajectories[1].model_copy(update={"event_id": __import__("uuid").uuid4()}))  # re-published
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for op in ops:
+        producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
+    for trajectory in trajectories:
+        producer.send(TRAJECTORIES.name, key=TRAJECTORIES.key_bytes(trajectory), value=encode(trajectory))
+    producer.close()
+    settings = Settings(run_dir=tmp_path, run_id="count-it", kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+                        runner=RunnerSettings(poll_timeout_ms=50))
+    total = len(ops) + len(trajectories)
+    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=total, timeout_s=60)).run()
+    store = _store(tmp_path)
+    counts = (store.experience(first.experience_id)["retrievals"], store.experience(second.experience_id)["retrievals"])
+    assert counts == (2, 2)
+    # A restart re-applies the op log from its newest snapshot (none yet: offset 0) but reads no trajectory again
+    # (their positions were committed after the served rows); the counts stay.
+    again = build_runner(BankProjection, settings, instance="bank-1", limits=Limits(timeout_s=1.5)).run()
+    assert again.events_in == len(ops)
+    assert (store.experience(first.experience_id)["retrievals"],
+            store.experience(second.experience_id)["retrievals"]) == (2, 2)
+    assert store.position(EXPERIENCE_OPS_TOPIC.name, 0).state_hash == state.state_hash()

