@@ -76,11 +76,13 @@ def iter_synthetic_ops(count: int, seed: int = 0, dim: int = 384, run_id: str = 
         common = {"run_id": run_id, "producer": who, "generation_id": generation,
                   "extractor_version": index // 500}
         op: ExperienceOp
-        if kind == "duplicate" and recent:
-            # Re-published after an extractor restart: a new event carrying the same deterministic op id.
-            again = recent[int(rng.integers(len(recent)))]
-            yield again.model_copy(update={"event_id": uuid.UUID(bytes=rng.bytes(16), version=4)})
-            continue
+        if kind == "duplicate":
+            if recent:
+                # Re-published after an extractor restart: a new event carrying the same deterministic op id.
+                again = recent[int(rng.integers(len(recent)))]
+                yield again.model_copy(update={"event_id": uuid.UUID(bytes=rng.bytes(16), version=4)})
+                continue
+            kind = "add"  # nothing to re-publish yet
         if kind in ("refine", "retire", "conflict", "merge") and len(active) < 2:
             kind = "add"
         if kind == "add":

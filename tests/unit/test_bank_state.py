@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.bank.replay import replay
 from pipeline.bank.state import Applied, BankState, Duplicate, Rejected
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
@@ -228,3 +229,13 @@ def test_redelivered_duplicates_and_restarts_give_the_clean_pass_hash(log, data)
     assert restarted.state_hash() == clean.state_hash()
     assert restarted.applied == clean.applied
     assert restarted.rejected == clean.rejected
+
+
+def test_synthetic_logs_generate_for_any_seed_and_length():
+    from pipeline.bank.synthetic import synthetic_op_log
+
+    for seed in range(40):
+        for count in (1, 3, 50, 400):  # 400 with seed 10 once drew a re-publication before any op existed
+            ops = synthetic_op_log(count, seed=seed)
+            assert 0 < len(ops) <= count
+            assert replay(enumerate(ops)).state.next_offset == len(ops)
