@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.durable import fsync_directory, fsync_file
 from schemas.base import Event
 
 ARCHIVE_SCHEMA = pa.schema(
@@ -82,14 +83,9 @@ def write_segments(root: Path, rows: list[dict[str, Any]]) -> list[Path]:
         path = directory / f"{name}.parquet"
         temporary = directory / f".{path.name}.{os.getpid()}.tmp"
         pq.write_table(pa.Table.from_pylist(group, schema=ARCHIVE_SCHEMA), temporary, compression="zstd")
-        with temporary.open("rb") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(temporary)
         os.replace(temporary, path)
-        directory_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(directory_fd)
-        finally:
-            os.close(directory_fd)
+        fsync_directory(directory)
         paths.append(path)
     return paths
 

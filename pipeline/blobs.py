@@ -10,6 +10,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from pipeline.durable import fsync_directory, fsync_file
+
 
 class BlobStore:
     def __init__(self, root: Path) -> None:
@@ -22,11 +24,10 @@ class BlobStore:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{digest}.{os.getpid()}.tmp")
-            with temporary.open("wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            temporary.write_bytes(data)
+            fsync_file(temporary)
             os.replace(temporary, path)
+            fsync_directory(path.parent)
         return path.resolve().as_uri(), digest
 
     def get(self, uri: str) -> bytes:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.state import BankState
+from pipeline.durable import fsync_directory, fsync_file
 
 
 class SnapshotError(ValueError):
@@ -53,14 +54,9 @@ def _sha256(path: Path) -> str:
 def _fsync_tree(directory: Path) -> None:
     for path in sorted(directory.rglob("*")):
         if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
+            fsync_file(path)
     for folder in [directory, *sorted(p for p in directory.rglob("*") if p.is_dir())]:
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        fsync_directory(folder)
 
 
 def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: int = 10_000) -> tuple[Path, SnapshotManifest]:
@@ -93,11 +89,7 @@ def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: i
         shutil.rmtree(temporary)
         return final, read_manifest(final)
     os.rename(temporary, final)
-    descriptor = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_directory(root)
     return final, manifest
 
 
