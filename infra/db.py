@@ -223,6 +223,25 @@ experience_served = Table(
 """Every experience served to a guided episode, from TrajectoryCompleted; keyed by trajectory so re-delivered
 trajectories count once. `experiences.retrievals` is the number of rows here."""
 
+extraction_events = Table(
+    "extraction_events",
+    metadata,
+    Column("event_id", String(64), nullable=False),
+    Column("generation_id", String(256), nullable=False),
+    PrimaryKeyConstraint("event_id", name="pk_extraction_events"),
+)
+"""ExtractionGenerated event id -> generation id: how an extractor training batch (event ids) names generations."""
+
+extractor_batches = Table(
+    "extractor_batches",
+    metadata,
+    Column("step", BigInteger, nullable=False),
+    Column("event_id", String(64), nullable=False),
+    PrimaryKeyConstraint("step", "event_id", name="pk_extractor_batches"),
+)
+"""The ExtractionGenerated events of every extractor training step (TrainStepCompleted with role extractor).
+`experiences.trainings` counts the steps whose batch holds a generation that wrote one of the experience's versions."""
+
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """Build the Alembic config for `infra/migrations` in code; `connection`, if given, is what env.py migrates."""

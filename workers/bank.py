@@ -4,7 +4,9 @@
 
 It reads the op topic (one partition) in assign mode, and `crl.trajectories` for the experiences each guided episode
 was served (`experience_served`, one row per trajectory and experience, so re-deliveries count once; the
-`retrievals` counter is recounted from it). Each op goes through the pure state machine
+`retrievals` counter is recounted from it), and `crl.extractions` + `crl.train-steps` for the extractor steps that
+trained on the generations behind each experience (`trainings`, `last_trained_step`). Each op goes through the pure
+state machine
 (`pipeline.bank.state`); at every commit point the changed experiences, their new versions and the position (next
 offset, log id, state hash, counts) are written to SQL in one transaction (`pipeline.bank.store`). Every
 `CRL_BANK__SNAPSHOT_EVERY` ops it writes a snapshot (state + index + manifest, atomically) and publishes
@@ -22,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from pipeline.bank.snapshots import newest_snapshot, read_snapshot, snapshots_root, write_snapshot
 from pipeline.bank.state import Applied, BankState, Rejected
-from pipeline.bank.store import BankPosition, BankStore
+from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from pipeline.errors import ConfigError
 from pipeline.launch import WorkerContext
 from pipeline.offsets import LogPosition, SqlOffsetStore
@@ -30,7 +32,9 @@ from pipeline.runner import Origin, Processor
 from pipeline.transport import OffsetStore, Position
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event, Producer
-from schemas.topics import EXPERIENCE_OPS_TOPIC, TRAJECTORIES
+from schemas.extractions import ExtractionGenerated
+from schemas.topics import EXPERIENCE_OPS_TOPIC, EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
+from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,7 @@ class _BankPositions:
 
 class BankProjection(Processor):
     name = "bank"
-    inputs = (EXPERIENCE_OPS_TOPIC, TRAJECTORIES)
+    inputs = (EXPERIENCE_OPS_TOPIC, TRAJECTORIES, EXTRACTIONS, TRAIN_STEPS)
     consumption = "assign"
 
     def __init__(self, store: BankStore, context: WorkerContext) -> None:
@@ -75,6 +79,7 @@ class BankProjection(Processor):
         self.log_id: str | None = None
         self.changed: set[str] = set()
         self.served: list[dict[str, object]] = []
+        self.usage = TrainingUsage()
         self.since_snapshot = 0
         position = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
         if position is not None:
@@ -102,6 +107,13 @@ class BankProjection(Processor):
                  "success": event.success, "reward": event.reward}
                 for ref in event.retrieved
             ]
+            return ()
+        if isinstance(event, ExtractionGenerated):
+            self.usage.extractions[str(event.event_id)] = event.generation_id
+            return ()
+        if isinstance(event, TrainStepCompleted):
+            if event.role == "extractor":
+                self.usage.batches += [(event.step, event_id) for event_id in event.batch_event_ids]
             return ()
         if self.log_id is None:
             self.log_id = origin.log_id
@@ -135,13 +147,13 @@ class BankProjection(Processor):
             # No op yet, or catching up after a restart from an older snapshot: SQL is already ahead; re-writing
             # those rows would be idempotent, but moving the recorded position backwards would not be true.
             self.changed.clear()
-            self.store.record_served(self.served)
-            self.served = []
+            self.store.record_usage(self.served, self.usage)
+            self.served, self.usage = [], TrainingUsage()
             return
         self.store.save(self.state, self.changed, BankPosition(
             topic=EXPERIENCE_OPS_TOPIC.name, partition=0, next_offset=self.state.next_offset, log_id=self.log_id,
             state_hash=self.state.state_hash(), applied=self.state.applied, duplicates=self.state.duplicates,
             rejected=self.state.rejected,
-        ), served=self.served)
+        ), served=self.served, usage=self.usage)
         self.changed.clear()
-        self.served = []
+        self.served, self.usage = [], TrainingUsage()

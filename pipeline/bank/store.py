@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +38,14 @@ import numpy as np
 from sqlalchemy import Connection, Engine, RowMapping, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from infra.db import bank_position, experience_served, experience_versions, experiences
+from infra.db import (
+    bank_position,
+    experience_served,
+    experience_versions,
+    experiences,
+    extraction_events,
+    extractor_batches,
+)
 from pipeline.bank.state import BankState, Experience, ExperienceVersion
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -49,6 +56,19 @@ _IDS_PER_QUERY = 500
 
 _JSON_TUPLES = ("parents", "source_trajectory_ids")
 """List-valued columns that `Experience` and `ExperienceVersion` hold as tuples."""
+
+
+@dataclass
+class TrainingUsage:
+    """What the extractor trained on, as the bank worker read it since its last save."""
+
+    extractions: dict[str, str] = field(default_factory=dict)
+    """ExtractionGenerated event id -> generation id."""
+    batches: list[tuple[int, str]] = field(default_factory=list)
+    """(extractor training step, ExtractionGenerated event id) for every event in the step's batch."""
+
+    def __bool__(self) -> bool:
+        return bool(self.extractions or self.batches)
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,10 @@ class BankStore:
         self._insert_served = insert(experience_served).on_conflict_do_nothing(
             index_elements=[experience_served.c.trajectory_id, experience_served.c.experience_id]
         )
+        self._insert_extractions = insert(extraction_events).on_conflict_do_nothing(
+            index_elements=[extraction_events.c.event_id])
+        self._insert_batches = insert(extractor_batches).on_conflict_do_nothing(
+            index_elements=[extractor_batches.c.step, extractor_batches.c.event_id])
         upsert = insert(bank_position)
         self._upsert_position = upsert.on_conflict_do_update(
             index_elements=[bank_position.c.topic, bank_position.c.partition],
@@ -117,7 +141,7 @@ class BankStore:
     # -- writing --------------------------------------------------------------------------------------------------
 
     def save(self, state: BankState, changed: Iterable[str], position: BankPosition,
-             served: Sequence[Mapping[str, Any]] = ()) -> None:
+             served: Sequence[Mapping[str, Any]] = (), usage: TrainingUsage | None = None) -> None:
         """Write the experiences `changed` since the last save, their new versions and `position`, in one transaction.
 
         `changed` must name every experience whose row differs from the stored one: those an applied op touched
@@ -128,7 +152,8 @@ class BankStore:
         `served` rows (columns of `experience_served`: trajectory_id, experience_id, version, generation_id,
         bank_offset, step, success, reward) are inserted unless already there, and `experiences.retrievals` is
         recounted from that table for every experience they or `changed` name, so a re-delivered trajectory never
-        counts twice.
+        counts twice. `usage` (extraction events and extractor training batches) is recorded the same way and
+        `trainings` / `last_trained_step` are recounted for every experience it can touch.
         """
         # A fixed row order keeps two concurrent saves from locking the same rows in opposite orders (deadlock).
         ids = sorted(set(changed))
@@ -148,13 +173,48 @@ class BankStore:
                 if versions:
                     connection.execute(self._insert_versions, versions)
             self._record_served(connection, served, ids)
+            self._record_training(connection, usage or TrainingUsage(), ids)
             connection.execute(self._upsert_position, [position_row])
 
-    def record_served(self, served: Sequence[Mapping[str, Any]]) -> None:
-        """Insert `served` rows (see `save`) and recount their experiences, in one transaction of its own."""
-        if served:
+    def record_usage(self, served: Sequence[Mapping[str, Any]], usage: TrainingUsage) -> None:
+        """Record `served` rows and training `usage` (see `save`) in one transaction of its own."""
+        if served or usage:
             with self.engine.begin() as connection:
                 self._record_served(connection, served, ())
+                self._record_training(connection, usage, ())
+
+    def _record_training(self, connection: Connection, usage: TrainingUsage, changed: Sequence[str]) -> None:
+        if usage.extractions:
+            connection.execute(self._insert_extractions, [{"event_id": e, "generation_id": g}
+                                                          for e, g in usage.extractions.items()])
+        if usage.batches:
+            connection.execute(self._insert_batches, [{"step": step, "event_id": e} for step, e in usage.batches])
+        # Experiences whose versions were written by a generation the new rows name, in either order of arrival.
+        event_ids = sorted({e for _step, e in usage.batches} | set(usage.extractions))
+        touched = set(changed)
+        for chunk in _chunks(event_ids, 500):
+            generations = select(extraction_events.c.generation_id).where(extraction_events.c.event_id.in_(chunk))
+            touched |= set(connection.execute(
+                select(experience_versions.c.experience_id).distinct()
+                .where(experience_versions.c.generation_id.in_(generations))).scalars())
+        if not touched:
+            return
+
+        def over_trained_steps(aggregate: Any) -> Any:
+            # The extractor steps whose batch holds a generation that wrote a version of this experience row.
+            return (select(aggregate)
+                    .select_from(extractor_batches)
+                    .join(extraction_events, extraction_events.c.event_id == extractor_batches.c.event_id)
+                    .join(experience_versions,
+                          experience_versions.c.generation_id == extraction_events.c.generation_id)
+                    .where(experience_versions.c.experience_id == experiences.c.experience_id)
+                    .scalar_subquery())
+
+        for chunk in _chunks(sorted(touched), 500):
+            connection.execute(update(experiences).where(experiences.c.experience_id.in_(chunk)).values(
+                trainings=over_trained_steps(func.count(func.distinct(extractor_batches.c.step))),
+                last_trained_step=over_trained_steps(func.max(extractor_batches.c.step)),
+            ))
 
     def _record_served(self, connection: Connection, served: Sequence[Mapping[str, Any]],
                        changed: Sequence[str]) -> None:

@@ -27,7 +27,7 @@ from sqlalchemy.exc import IntegrityError
 
 from infra.db import alembic_config, bank_position, current_revision, experience_versions, experiences, migrate
 from pipeline.bank.state import Applied, BankState, Duplicate, Rejected
-from pipeline.bank.store import BankPosition, BankStore
+from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import (
@@ -116,6 +116,13 @@ def served_rows(state: BankState, pairs: list[tuple[str, str]]) -> list[dict]:
          "success": True, "reward": 1.0}
         for t, e in pairs
     ]
+
+
+def trained_usage(state: BankState, step: int, experience_ids: list[str]) -> TrainingUsage:
+    """Extractor step `step` trained on the generations that wrote the current versions of `experience_ids`."""
+    generations = {state.experiences[e].generation_id for e in experience_ids}
+    extractions = {f"event-of-{g}": g for g in sorted(generations)}
+    return TrainingUsage(extractions=extractions, batches=[(step, event) for event in extractions])
 
 
 def position_of(state: BankState, log_id: str = LOG_ID) -> BankPosition:
@@ -279,7 +286,8 @@ def test_a_later_batch_updates_rows_appends_versions_and_moves_the_position(stor
     saved.record_trained(["m1"], step=17)
     changed |= {"m1", "e3"}
     store.save(saved, changed, position_of(saved),
-               served=served_rows(saved, [("t1", "m1"), ("t2", "m1"), ("t3", "e3")]))
+               served=served_rows(saved, [("t1", "m1"), ("t2", "m1"), ("t3", "e3")]),
+               usage=trained_usage(saved, step=17, experience_ids=["m1"]))
 
     for experience_id in ("e1", "e2", "e3", "m1"):
         row = store.experience(experience_id)
@@ -390,6 +398,21 @@ def test_served_rows_count_once_per_trajectory_and_survive_a_replayed_batch(stor
     assert store.experience("e2")["retrievals"] == 0
 
 
+def test_training_counts_follow_extractor_batches_in_either_order_of_arrival(store: BankStore,
+                                                                             saved: BankState) -> None:
+    e1 = saved.experiences["e1"]
+    # The step arrives before the extraction event that names its generation ...
+    store.save(saved, set(), position_of(saved), usage=TrainingUsage(batches=[(4, "x1"), (6, "x1")]))
+    assert store.experience("e1")["trainings"] == 0
+    # ... and is counted once the generation is known; re-delivered rows change nothing.
+    usage = TrainingUsage(extractions={"x1": e1.generation_id}, batches=[(6, "x1")])
+    store.save(saved, set(), position_of(saved), usage=usage)
+    store.save(saved, set(), position_of(saved), usage=usage)
+    row = store.experience("e1")
+    assert (row["trainings"], row["last_trained_step"]) == (2, 6)
+    assert store.experience("e2")["trainings"] == 0
+
+
 # --- load_state ----------------------------------------------------------------------------------------------------
 
 
@@ -397,7 +420,8 @@ def test_load_state_rebuilds_the_saved_state(store: BankStore, saved: BankState)
     changed = apply_batch(saved, BATCH_2, 5)
     saved.record_served(["m1"])
     saved.record_trained(["m1"], step=3)
-    store.save(saved, changed | {"m1"}, position_of(saved), served=served_rows(saved, [("t1", "m1")]))
+    store.save(saved, changed | {"m1"}, position_of(saved), served=served_rows(saved, [("t1", "m1")]),
+               usage=trained_usage(saved, step=3, experience_ids=["m1"]))
 
     loaded = store.load_state(key_model=MODEL)
 

@@ -239,3 +239,40 @@ def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp
     assert (store.experience(first.experience_id)["retrievals"],
             store.experience(second.experience_id)["retrievals"]) == (2, 2)
     assert store.position(EXPERIENCE_OPS_TOPIC.name, 0).state_hash == state.state_hash()
+
+
+def test_extractor_training_steps_count_per_experience(kafka_bootstrap, tmp_path):
+    from infra.kafka import KafkaSettings
+    from pipeline.launch import build_runner
+    from pipeline.runner import Limits
+    from pipeline.settings import RunnerSettings, Settings
+    from schemas.examples import example_events
+    from schemas.extractions import ExtractionGenerated
+    from schemas.topics import EXTRACTIONS, TRAIN_STEPS
+    from schemas.training import TrainStepCompleted
+    from workers.bank import BankProjection
+
+    ops = synthetic_op_log(40, seed=4)
+    state = replay(enumerate(ops)).state
+    target = next(state.active())
+    examples = {e.kind: e for e in example_events("train-it")}
+    extraction = examples["ExtractionGenerated"].model_copy(update={"generation_id": target.generation_id})
+    other = examples["ExtractionGenerated"].model_copy(update={"generation_id": "gen-unrelated",
+                                                               "event_id": __import__("uuid").uuid4()})
+    steps = [examples["TrainStepCompleted"].model_copy(update={
+        "role": "extractor", "step": step, "event_id": __import__("uuid").uuid4(),
+        "batch_event_ids": (str(extraction.event_id), str(other.event_id))}) for step in (1, 2)]
+    actor_step = examples["TrainStepCompleted"].model_copy(update={
+        "step": 9, "batch_event_ids": (str(extraction.event_id),)})  # role actor: not an extractor step
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for event in [*ops, extraction, other, *steps, actor_step]:
+        topic = {"ExtractionGenerated": EXTRACTIONS, "TrainStepCompleted": TRAIN_STEPS}.get(event.kind,
+                                                                                           EXPERIENCE_OPS_TOPIC)
+        producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
+    producer.close()
+    settings = Settings(run_dir=tmp_path, run_id="train-it", kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+                        runner=RunnerSettings(poll_timeout_ms=50))
+    total = len(ops) + 5
+    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=total, timeout_s=60)).run()
+    row = _store(tmp_path).experience(target.experience_id)
+    assert (row["trainings"], row["last_trained_step"]) == (2, 2)

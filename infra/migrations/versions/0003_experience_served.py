@@ -1,4 +1,5 @@
-"""Create experience_served: every experience served to a guided episode (the bank's retrieval counter).
+"""Create the bank's usage tables: experience_served (retrieval counter), extraction_events and extractor_batches
+(training counter).
 
 Revision ID: 0003
 Revises: 0002
@@ -32,7 +33,21 @@ def upgrade() -> None:
         sa.Column("reward", sa.Float(), nullable=False),
         sa.PrimaryKeyConstraint("trajectory_id", "experience_id", name="pk_experience_served"),
     )
+    op.create_table(
+        "extraction_events",
+        sa.Column("event_id", sa.String(64), nullable=False),
+        sa.Column("generation_id", sa.String(256), nullable=False),
+        sa.PrimaryKeyConstraint("event_id", name="pk_extraction_events"),
+    )
+    op.create_table(
+        "extractor_batches",
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("event_id", sa.String(64), nullable=False),
+        sa.PrimaryKeyConstraint("step", "event_id", name="pk_extractor_batches"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("extractor_batches")
+    op.drop_table("extraction_events")
     op.drop_table("experience_served")
