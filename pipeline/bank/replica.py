@@ -30,7 +30,7 @@ from kafka import TopicPartition
 from infra.admin import topic_ids
 from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.bank.index import ExperienceIndex
-from pipeline.bank.snapshots import SnapshotError, newest_snapshot, read_snapshot, snapshots_root
+from pipeline.bank.snapshots import SnapshotError, newest_snapshot, read_index, read_snapshot, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -90,12 +90,14 @@ class Candidate:
 class LocalBank:
     """The bank state and its index in one process, guarded by a readers/writer lock."""
 
-    def __init__(self, state: BankState | None = None, exact_threshold: int = 10_000) -> None:
+    def __init__(self, state: BankState | None = None, exact_threshold: int = 10_000,
+                 index: ExperienceIndex | None = None) -> None:
+        """`index`, when given, must hold exactly the active experiences of `state` (a snapshot's index)."""
         self.state = state or BankState()
         self.exact_threshold = exact_threshold
         self.lock = ReadWriteLock()
-        self.index: ExperienceIndex | None = None
-        if self.state.key_dim is not None:
+        self.index = index
+        if self.index is None and self.state.key_dim is not None:
             self.index = ExperienceIndex.build(
                 ((e.experience_id, e.task_family, e.key) for e in self.state.active()),
                 dim=self.state.key_dim, exact_threshold=exact_threshold,
@@ -180,16 +182,18 @@ class BankReplica(LocalBank):
             self.log_id = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
         finally:
             admin.close()
-        state = None
+        state, index = None, None
         if run_dir is not None:
             snapshot = newest_snapshot(snapshots_root(run_dir), log_id=self.log_id)
             if snapshot is not None:
                 try:
                     state, _manifest = read_snapshot(snapshot)
+                    index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
                     log.info("replica starts from snapshot %s", snapshot.name)
                 except SnapshotError as exc:
+                    state, index = None, None
                     log.warning("replica ignores snapshot %s and starts from offset 0: %s", snapshot, exc)
-        super().__init__(state, exact_threshold)
+        super().__init__(state, exact_threshold, index)
 
     def start(self) -> BankReplica:
         self._thread = threading.Thread(target=self._tail, name="bank-replica", daemon=True)

@@ -94,3 +94,25 @@ def test_readers_share_the_lock_and_a_writer_waits_for_them():
     writer.join(2)
     reader.join(2)
     assert events == ["write"] and blocked_reader_got_in.is_set()
+
+
+def test_a_bank_started_from_a_snapshot_uses_its_saved_index(tmp_path):
+    from pipeline.bank.snapshots import read_index, read_snapshot, write_snapshot
+
+    log = synthetic_op_log(450, seed=13)
+    ops, extra = log[:400], log[400:]
+    live = LocalBank()
+    for offset, op in enumerate(ops):
+        live.apply(op, offset)
+    path, _manifest = write_snapshot(tmp_path, live.state, log_id="log-a")
+    state, _ = read_snapshot(path)
+    index = read_index(path)
+    started = LocalBank(state, index=index)
+    assert started.index is index and len(index) == sum(1 for _ in live.state.active())
+    query = np.random.default_rng(2).standard_normal((1, 384)).astype(np.float32)
+    family = next(live.state.active()).task_family
+    assert started.search_candidates(query, [family], 8) == live.search_candidates(query, [family], 8)
+    # It keeps following the log like any bank.
+    for offset, op in enumerate(extra, start=400):
+        assert started.apply(op, offset) == live.apply(op, offset)
+    assert started.state_hash() == live.state_hash()
