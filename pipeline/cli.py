@@ -474,14 +474,23 @@ def replay_bank(
 ) -> None:
     """Rebuild the bank from offset 0 and compare its hash with the live SQL position and the newest snapshot."""
     from pipeline.bank.replay import Checkpoint, archived_logs, ops_from_archive, ops_from_kafka, replay
-    from pipeline.bank.snapshots import newest_snapshot, read_manifest, snapshots_root
+    from pipeline.bank.snapshots import restore_newest, snapshots_root
     from schemas.topics import EXPERIENCE_OPS_TOPIC
 
     store = _bank_store(run_dir)
     live = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
     if from_kafka:
-        ops = ops_from_kafka(_kafka(_settings(run_dir)))
-        source = "crl.experience-ops on Kafka"
+        from infra.admin import topic_ids
+        from infra.kafka import make_admin
+
+        kafka = _kafka(_settings(run_dir))
+        admin = make_admin(kafka)
+        try:
+            chosen = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
+        finally:
+            admin.close()
+        ops = ops_from_kafka(kafka)
+        source = f"crl.experience-ops on Kafka (log {chosen})"
     else:
         logs = archived_logs(run_dir)
         chosen = log_id or (live.log_id if live else None) or (logs[0][0] if logs else None)
@@ -489,13 +498,21 @@ def replay_bank(
             raise _fail(f"the archive of {run_dir} holds no experience ops", 1)
         ops = ops_from_archive(run_dir, chosen)
         source = f"the archive (log {chosen})"
+    problems: list[str] = []
     checkpoints = []
-    if live is not None:
+    if live is not None and live.log_id == chosen:
         checkpoints.append(Checkpoint("live SQL bank", live.next_offset, live.state_hash))
-    snapshot = newest_snapshot(snapshots_root(run_dir), log_id=live.log_id if live else None)
-    if snapshot is not None:
-        manifest = read_manifest(snapshot)
-        checkpoints.append(Checkpoint(f"snapshot {snapshot.name}", manifest.next_offset, manifest.state_hash))
+        try:
+            store.load_state()  # the stored rows themselves must hash to the recorded position
+        except ValueError as exc:
+            problems.append(f"live SQL rows: {exc}")
+    elif live is not None:
+        console.print(f"the live bank follows log {live.log_id}, not {chosen}: no comparison with it")
+    restored = restore_newest(snapshots_root(run_dir), chosen)  # verified: file sha256s and the state hash
+    if restored is not None:
+        snapshot, snapshot_state = restored
+        checkpoints.append(Checkpoint(f"snapshot {snapshot.name}", snapshot_state.next_offset,
+                                      snapshot_state.state_hash()))
     result = replay(ops, checkpoints)
     state = result.state
     console.print(f"replayed {source}")
@@ -509,7 +526,7 @@ def replay_bank(
                       "[green]yes[/green]" if replayed == checkpoint.state_hash else "[red]NO[/red]")
     if checkpoints:
         console.print(table)
-    problems = result.mismatches(checkpoints)
+    problems += result.mismatches(checkpoints)
     for problem in problems:
         errors.print(f"[red]mismatch:[/red] {problem}")
     if problems:

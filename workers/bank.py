@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from pipeline.bank.snapshots import newest_snapshot, read_snapshot, snapshots_root, write_snapshot
+from pipeline.bank.snapshots import restore_newest, snapshots_root, write_snapshot
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from pipeline.errors import ConfigError
@@ -84,11 +84,12 @@ class BankProjection(Processor):
         position = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
         if position is not None:
             self.log_id = position.log_id
-            newest = newest_snapshot(self.snapshots, log_id=position.log_id)
-            if newest is not None:
-                self.state, manifest = read_snapshot(newest)
-                log.info("bank resumes from snapshot %s (next offset %d); SQL is at %d", newest.name,
-                         manifest.next_offset, position.next_offset)
+            # Never from a snapshot ahead of SQL: it is written in `handle`, before that batch's SQL save, so a crash
+            # between the two would leave the ops in between unwritten to SQL if the worker resumed past them.
+            restored = restore_newest(self.snapshots, position.log_id, at_most=position.next_offset)
+            if restored is not None:
+                path, self.state = restored
+                log.info("bank resumes from snapshot %s; SQL is at %d", path.name, position.next_offset)
             else:
                 log.info("bank rebuilds from offset 0 of log %s; SQL is at %d", position.log_id, position.next_offset)
 

@@ -30,7 +30,7 @@ from kafka import TopicPartition
 from infra.admin import topic_ids
 from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.bank.index import ExperienceIndex
-from pipeline.bank.snapshots import SnapshotError, newest_snapshot, read_index, read_snapshot, snapshots_root
+from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -183,16 +183,11 @@ class BankReplica(LocalBank):
         finally:
             admin.close()
         state, index = None, None
-        if run_dir is not None:
-            snapshot = newest_snapshot(snapshots_root(run_dir), log_id=self.log_id)
-            if snapshot is not None:
-                try:
-                    state, _manifest = read_snapshot(snapshot)
-                    index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
-                    log.info("replica starts from snapshot %s", snapshot.name)
-                except SnapshotError as exc:
-                    state, index = None, None
-                    log.warning("replica ignores snapshot %s and starts from offset 0: %s", snapshot, exc)
+        restored = restore_newest(snapshots_root(run_dir), self.log_id) if run_dir is not None else None
+        if restored is not None:
+            snapshot, state = restored
+            index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
+            log.info("replica starts from snapshot %s", snapshot.name)
         super().__init__(state, exact_threshold, index)
 
     def start(self) -> BankReplica:
@@ -212,13 +207,13 @@ class BankReplica(LocalBank):
             consumer.seek(self._partition, self.state.next_offset)
             while not self._stop.is_set():
                 for record in consumer.poll(timeout_ms=100).get(self._partition, []):
-                    self._read_to = record.offset + 1
                     try:
                         op = decode(EXPERIENCE_OPS_TOPIC, record.value)
                     except EventDecodeError:
                         self.skipped += 1
-                        continue
-                    self.apply(op, record.offset)  # type: ignore[arg-type]
+                    else:
+                        self.apply(op, record.offset)  # type: ignore[arg-type]
+                    self._read_to = record.offset + 1  # after applying: caught_up() must not run ahead of the state
                 high = consumer.highwater(self._partition)
                 if high is not None:
                     self._high_watermark = high

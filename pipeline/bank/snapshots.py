@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -22,6 +23,9 @@ from pathlib import Path
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.state import BankState
 from pipeline.durable import fsync_directory, fsync_file
+
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotError(ValueError):
@@ -100,12 +104,44 @@ def read_manifest(path: Path) -> SnapshotManifest:
         raise SnapshotError(f"{path} has no readable manifest: {exc}") from exc
 
 
-def newest_snapshot(root: Path, log_id: str | None = None) -> Path | None:
-    """The snapshot with the highest offset (of `log_id`, when given); temporary directories are ignored."""
-    candidates = sorted((p for p in root.glob("[0-9]" * 12) if p.is_dir()), reverse=True) if root.exists() else []
-    for path in candidates:
-        if log_id is None or read_manifest(path).log_id == log_id:
+def snapshot_dirs(root: Path) -> list[Path]:
+    """Snapshot directories, newest (highest offset) first; temporary directories are ignored."""
+    if not root.exists():
+        return []
+    return sorted((p for p in root.glob("[0-9]" * 12) if p.is_dir()), reverse=True)
+
+
+def newest_snapshot(root: Path, log_id: str | None = None, at_most: int | None = None) -> Path | None:
+    """The snapshot with the highest offset (of `log_id`, at or below `at_most`, when given) whose manifest reads."""
+    for path in snapshot_dirs(root):
+        if at_most is not None and int(path.name) > at_most:
+            continue
+        try:
+            manifest = read_manifest(path)
+        except SnapshotError:
+            continue
+        if log_id is None or manifest.log_id == log_id:
             return path
+    return None
+
+
+def restore_newest(root: Path, log_id: str, at_most: int | None = None) -> tuple[Path, BankState] | None:
+    """The newest snapshot of `log_id` (at or below `at_most`) that passes every check, with its state.
+
+    A torn or tampered snapshot is logged and skipped for the next older one, never trusted and never fatal.
+    """
+    for path in snapshot_dirs(root):
+        if at_most is not None and int(path.name) > at_most:
+            continue
+        try:
+            manifest = read_manifest(path)
+            if manifest.log_id != log_id:
+                continue
+            state, _ = read_snapshot(path)
+        except SnapshotError as exc:
+            log.warning("skipping snapshot %s: %s", path, exc)
+            continue
+        return path, state
     return None
 
 
@@ -116,7 +152,10 @@ def read_snapshot(path: Path) -> tuple[BankState, SnapshotManifest]:
         file = path / relative
         if not file.is_file() or _sha256(file) != expected:
             raise SnapshotError(f"{path}: {relative} is missing or does not match its sha256")
-    state = BankState.from_snapshot(json.loads((path / "state.json").read_text()))
+    try:
+        state = BankState.from_snapshot(json.loads((path / "state.json").read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"{path}: {exc}") from exc
     if state.state_hash() != manifest.state_hash or state.next_offset != manifest.next_offset:
         raise SnapshotError(f"{path}: state does not match its manifest")
     return state, manifest

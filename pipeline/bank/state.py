@@ -266,7 +266,8 @@ class BankState:
                 yield experience
 
     def state_hash(self) -> str:
-        """sha256 over the canonical, id-sorted state: id, family, version, status, text, lineage, key bytes.
+        """sha256 over the canonical, id-sorted state: id, family, version, status, text, lineage, credit (generation,
+        extractor version, source trajectories), every version's text and op, and the key bytes.
 
         Independent of wall time, of the order ops arrived in beyond the log's own order, and of counters.
         """
@@ -277,6 +278,10 @@ class BankState:
             record = [
                 experience.experience_id, experience.task_family, experience.version, experience.status,
                 experience.text, experience.merged_into, list(experience.parents), experience.retired_reason,
+                # Credit and lineage too: a replay must agree on who wrote what, not only on the current text.
+                experience.generation_id, experience.extractor_version, list(experience.source_trajectory_ids),
+                [[v.version, v.text, v.op_id, v.op_kind, v.op_offset, v.generation_id, v.extractor_version,
+                  list(v.source_trajectory_ids)] for v in experience.history],
             ]
             line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
             digest.update(len(line).to_bytes(8, "little"))
