@@ -1,7 +1,7 @@
 """Bank replay throughput vs raw USearch adds of the same vectors, measured side by side in one run.
 
     python benchmarks/bank_replay.py --quick     # 50k ops, under a minute
-    python benchmarks/bank_replay.py             # 100k and 1M ops (~5 minutes, ~3 GB)
+    python benchmarks/bank_replay.py             # 100k and 1M ops (20+ minutes on 2 cores, ~3 GB)
 
 A synthetic op log (`pipeline.bank.synthetic`: adds, refines, merges, retires, stale refines and re-published ops,
 384-d embedding-like keys) is encoded to wire bytes first. The replay then does what `crl replay bank` and a
