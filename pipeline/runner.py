@@ -36,9 +36,9 @@ from pipeline.errors import ConfigError, PoisonMessageError, RetryableError, Wor
 from pipeline.settings import RunnerSettings
 from pipeline.transport import InputLog, OffsetStore, OutputLog, Position, Record
 from schemas.base import Event, Producer
-from schemas.codec import EventDecodeError, decode, encode
+from schemas.codec import EventDecodeError, decode, encode_for_topic
 from schemas.dead_letters import MAX_INLINE_RAW_BYTES, DeadLetter
-from schemas.topics import DEAD_LETTERS, Topic, topic_named, topic_of
+from schemas.topics import Topic, topic_named
 
 if TYPE_CHECKING:
     from pipeline.launch import WorkerContext
@@ -309,8 +309,8 @@ class WorkerRunner:
     # -- outputs --------------------------------------------------------------------------------------------------
 
     def encode_output(self, event: Event) -> tuple[str, bytes, bytes, list[tuple[str, bytes]]]:
-        topic = topic_of(event)
-        return topic.name, topic.key_bytes(event), encode(event, self.max_payload_bytes), _headers(event)
+        topic, key, value = encode_for_topic(event, self.max_payload_bytes)
+        return topic.name, key, value, _headers(event)
 
     def publish(self, event: Event) -> None:
         topic, key, value, headers = self.encode_output(event)

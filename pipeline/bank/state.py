@@ -19,7 +19,8 @@ Rules (DESIGN.md §4, PAPER.md "Experience operations"):
 - Every key vector of a bank comes from one embedding model and dimension; an op with another is rejected.
 
 Retrieval and training counters come from other topics (`TrajectoryCompleted`, `TrainStepCompleted`) whose
-interleaving with the op log differs between consumers, so they are kept beside the hash, not in it.
+interleaving with the op log differs between consumers, so they are not in the hash. The bank worker counts them
+idempotently in SQL (`pipeline.bank.store`); the fields here carry them when a state is loaded from there.
 """
 
 from __future__ import annotations
@@ -239,22 +240,6 @@ class BankState:
         experience.retired_reason = reason
         experience.merged_into = merged_into
         experience.op_offsets.append(offset)
-
-    # -- counters from other topics -------------------------------------------------------------------------------
-
-    def record_served(self, experience_ids: list[str]) -> None:
-        """An episode was guided by these experiences (one TrajectoryCompleted's `retrieved`)."""
-        for experience_id in experience_ids:
-            if experience_id in self.experiences:
-                self.experiences[experience_id].retrievals += 1
-
-    def record_trained(self, experience_ids: list[str], step: int) -> None:
-        """Generations that wrote these experiences entered extractor training step `step`."""
-        for experience_id in experience_ids:
-            experience = self.experiences.get(experience_id)
-            if experience is not None:
-                experience.trainings += 1
-                experience.last_trained_step = step
 
     # -- reading --------------------------------------------------------------------------------------------------
 

@@ -145,7 +145,7 @@ class BankStore:
         """Write the experiences `changed` since the last save, their new versions and `position`, in one transaction.
 
         `changed` must name every experience whose row differs from the stored one: those an applied op touched
-        (`Applied.touched`) and those whose counters moved (`record_served`, `record_trained`). Saving the same
+        (`Applied.touched`); counters are recounted from the usage tables, never taken from `state`. Saving the same
         state and position again changes nothing. Raises `KeyError`, writing nothing, if an id is not in `state`;
         any database error rolls back the whole save, position included.
 

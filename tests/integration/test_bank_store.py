@@ -282,8 +282,9 @@ def test_position_round_trips(store: BankStore, saved: BankState) -> None:
 def test_a_later_batch_updates_rows_appends_versions_and_moves_the_position(store: BankStore,
                                                                           saved: BankState) -> None:
     changed = apply_batch(saved, BATCH_2, 5)
-    saved.record_served(["m1", "m1", "e3"])
-    saved.record_trained(["m1"], step=17)
+    # What the usage rows below make SQL count, mirrored on the state the rows are compared with.
+    saved.experiences["m1"].retrievals, saved.experiences["e3"].retrievals = 2, 1
+    saved.experiences["m1"].trainings, saved.experiences["m1"].last_trained_step = 1, 17
     changed |= {"m1", "e3"}
     store.save(saved, changed, position_of(saved),
                served=served_rows(saved, [("t1", "m1"), ("t2", "m1"), ("t3", "e3")]),
@@ -418,8 +419,8 @@ def test_training_counts_follow_extractor_batches_in_either_order_of_arrival(sto
 
 def test_load_state_rebuilds_the_saved_state(store: BankStore, saved: BankState) -> None:
     changed = apply_batch(saved, BATCH_2, 5)
-    saved.record_served(["m1"])
-    saved.record_trained(["m1"], step=3)
+    saved.experiences["m1"].retrievals = 1
+    saved.experiences["m1"].trainings, saved.experiences["m1"].last_trained_step = 1, 3
     store.save(saved, changed | {"m1"}, position_of(saved), served=served_rows(saved, [("t1", "m1")]),
                usage=trained_usage(saved, step=3, experience_ids=["m1"]))
 

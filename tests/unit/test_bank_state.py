@@ -147,9 +147,8 @@ def test_state_hash_is_pinned_and_ignores_counters():
     before = state.state_hash()
     # Pinned: a change to the canonical form must be deliberate (it invalidates every recorded snapshot hash).
     assert before == "1f2f5069c450fabf2a3b38b4eb281b91c1acde345b05422d6aa982d5117abe2d"
-    state.record_served(["e1", "e1", "e2"])
-    state.record_trained(["e1"], step=3)
-    assert (state.experiences["e1"].retrievals, state.experiences["e1"].trainings) == (2, 1)
+    state.experiences["e1"].retrievals, state.experiences["e2"].retrievals = 2, 1
+    state.experiences["e1"].trainings, state.experiences["e1"].last_trained_step = 1, 3
     assert state.state_hash() == before
 
 
@@ -164,7 +163,7 @@ def test_state_hash_depends_on_text_vector_and_status():
 
 def test_snapshot_round_trip_restores_everything_and_detects_corruption():
     state, _ = run([add("o1", "e1"), add("o2", "e2"), merge("o3", "m1", {"e1": 1, "e2": 1}), refine("o4", "m1", 1, "z")])
-    state.record_served(["m1"])
+    state.experiences["m1"].retrievals = 1
     snapshot = json.loads(json.dumps(state.to_snapshot()))
     restored = BankState.from_snapshot(snapshot)
     assert restored.state_hash() == state.state_hash()
