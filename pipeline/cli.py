@@ -4,6 +4,7 @@
     crl worker archiver --run-dir runs/demo      # any worker kind of the WORKERS registry
     crl doctor --embedded                        # is everything here and working?
     crl audit sql runs/demo "SELECT kind, count(*) FROM events GROUP BY kind"
+    crl replay train runs/demo                   # re-run every training step, compare weight hashes
 """
 
 from __future__ import annotations
@@ -530,6 +531,45 @@ def replay_bank(
     for problem in problems:
         errors.print(f"[red]mismatch:[/red] {problem}")
     if problems:
+        raise typer.Exit(1)
+
+
+class TrainRole(str, Enum):
+    actor = "actor"
+    extractor = "extractor"
+
+
+@replay_app.command("train")
+def replay_train(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (archive and checkpoints).")],
+    role: Annotated[TrainRole | None, typer.Option(help="Only this role (default: both).")] = None,
+) -> None:
+    """Re-run every recorded training step from the archive and the initial checkpoint; compare weight hashes."""
+    from pipeline.training_replay import StepCheck, replay_training
+
+    if not run_dir.is_dir():
+        raise _fail(f"no run directory at {run_dir}", 2)
+    failed = False
+    for chosen in [role.value] if role is not None else ["actor", "extractor"]:
+        table = Table("role", "step", "version", "recorded", "replay", "match")
+
+        def row(check: StepCheck, chosen: str = chosen) -> None:
+            table.add_row(chosen, str(check.step), str(check.version), check.recorded[:16], check.replayed[:16],
+                          "[green]yes[/green]" if check.ok else "[red]NO[/red]")
+
+        with console.status(f"replaying {chosen} steps"):
+            report = replay_training(run_dir, chosen, on_step=row)  # type: ignore[arg-type]
+        if report.checks:
+            console.print(table)
+        if report.ok:
+            console.print(f"{chosen}: {len(report.checks)} steps replayed, every weight hash matches")
+        elif not report.checks and report.problem and report.problem.startswith("no PolicyPublished") and role is None:
+            console.print(f"{chosen}: nothing recorded ({report.problem})")
+        else:
+            errors.print(f"[red]mismatch:[/red] {chosen}: {report.problem}")
+            failed = True
+            break
+    if failed:
         raise typer.Exit(1)
 
 

@@ -3,6 +3,7 @@
 - `RetryableError`: transient (a database briefly locked, a broker timeout); the runner retries with backoff.
 - `PoisonMessageError`: this input can never be processed; the runner writes a dead letter and moves on.
 - `ConfigError`: the settings or the environment are wrong; nothing starts.
+- `CheckpointError`: a model checkpoint is missing a file or does not match its manifest or published hash.
 """
 
 
@@ -24,3 +25,8 @@ class ConfigError(PipelineError):
 
 class WorkerFailedError(PipelineError):
     """A worker gave up (retries exhausted, outputs not acknowledged); its input offsets were not committed."""
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint on disk is incomplete, or its bytes differ from its manifest or from the hash it was published
+    with; loading it would train or serve different weights than recorded."""

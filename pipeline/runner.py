@@ -449,6 +449,10 @@ class SourceIO:
             if event is not None:
                 yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
 
+    def positions(self) -> dict[tuple[str, int], int]:
+        """Next offset per input partition polled so far (poison records included: they were dead-lettered)."""
+        return dict(self._runner.positions)
+
     def commit(self) -> None:
         """Flush everything published, then commit the positions of every input polled so far."""
         self._runner.commit()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infra.db import DbSettings
@@ -66,6 +67,89 @@ class EmbeddingSettings(BaseModel):
     )
 
 
+class TinyModelSettings(BaseModel):
+    """The tiny CPU preset: a causal LM built from a transformers config, with a tokenizer trained locally on text the
+    environments produce. Same settings -> byte-identical weights and vocabulary."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Literal["qwen2", "llama"] = Field(default="qwen2", description="transformers architecture.")
+    hidden_size: int = Field(default=128, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(default=2, gt=0, description="Decoder layers.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads.")
+    num_kv_heads: int = Field(default=2, gt=0, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(default=512, gt=0, description="MLP width.")
+    vocab_size: int = Field(default=2048, ge=256, description="BPE vocabulary size (keep <= 4-8k at this size).")
+    max_position_embeddings: int = Field(default=4096, gt=0, description="Longest prompt + response.")
+    seed: int = Field(default=0, ge=0, description="Seeds the weights' initialisation and the tokenizer corpus.")
+    corpus_episodes: int = Field(default=48, gt=0, description="MiniHack episodes played for the tokenizer corpus.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelSettings:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}, "
+                             f"and num_heads a multiple of num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class ModelSettings(BaseModel):
+    """Which policy model a role starts from and where it runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="Generation backend; training always runs on transformers.")
+    path: str | None = Field(
+        default=None, description="Local directory of a Hugging Face model to start from; None builds the tiny preset.")
+    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (path None).")
+    device: str = Field(default="cpu", description="torch device for the transformers backend.")
+
+
+class TrainerSettings(BaseModel):
+    """One trainer's optimiser, loss and batching. The actor runs GRPO, the extractor CISPO (PAPER.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSettings = Field(default_factory=ModelSettings, description="The policy this trainer updates.")
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate, constant (paper scale: 1e-6).")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
+    eps_low: float = Field(default=0.2, ge=0, lt=1, description="Lower clip of the ratio: 1 - eps_low.")
+    eps_high: float = Field(default=0.2, ge=0, description="Upper clip of the ratio: 1 + eps_high.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        default="token-mean", description="How token losses reduce to the batch loss (changes results; logged).")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature the rollouts used; log-probs are recomputed at it.")
+    micro_batch_size: int = Field(default=8, gt=0, description="Samples per forward/backward pass.")
+    threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
+
+
+class ActorTrainerSettings(TrainerSettings):
+    """The actor trainer (GRPO with subgroup advantages). Environment: `CRL_ACTOR_TRAINER__<FIELD>`."""
+
+    advantage_norm: Literal["mean_std", "mean"] = Field(
+        default="mean_std", description="Subgroup normalisation: (r - mean) / (std + eps), or r - mean.")
+    advantage_eps: float = Field(default=1e-6, gt=0, description="eps in the advantage's denominator.")
+    group_size: int = Field(default=8, ge=2, description="K: episodes per GRPO group (K/2 guided after warm-up).")
+    groups_per_step: int = Field(default=4, gt=0, description="B: task groups per training step.")
+    warmup_steps: int = Field(default=5, ge=0, description="Steps 0..warmup-1 only fill the bank: no update.")
+    group_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="After this long waiting for a step, train its complete groups and drop the incomplete ones.")
+
+
+class ExtractorTrainerSettings(TrainerSettings):
+    """The extractor trainer (CISPO with Eq. 7 weights). Environment: `CRL_EXTRACTOR_TRAINER__<FIELD>`."""
+
+    eps_low: float = Field(default=0.1, ge=0, lt=1, description="CISPO's lower clip of the importance weight.")
+    eps_high: float = Field(default=0.1, ge=0, description="CISPO's upper clip of the importance weight.")
+    buffer_size: int = Field(default=64, gt=0, description="Rewarded generations per CISPO step (paper 64).")
+    count_alpha: float = Field(default=0.5, ge=0, description="Eq. 7: weight (1 + train_count)^(-alpha).")
+    count_delta: int = Field(default=1, ge=0, description="Eq. 7: weight 0 if trained less than delta steps ago.")
+
+
 class Settings(BaseSettings):
     """Everything a worker or command needs to know about its environment."""
 
@@ -83,6 +167,9 @@ class Settings(BaseSettings):
     archiver: ArchiverSettings = Field(default_factory=ArchiverSettings)
     bank: BankSettings = Field(default_factory=BankSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+    actor_trainer: ActorTrainerSettings = Field(default_factory=ActorTrainerSettings)
+    extractor_trainer: ExtractorTrainerSettings = Field(
+        default_factory=lambda: ExtractorTrainerSettings(model=ModelSettings(tiny=TinyModelSettings(seed=1))))
 
     @property
     def resolved_run_id(self) -> str:

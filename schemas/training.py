@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.base import Event, Id, NonNegativeInt, Role, Sha256Hex
 
@@ -39,3 +39,16 @@ class TrainStepCompleted(Event):
     loss_variant: Id = Field(description="Which loss ran, e.g. 'grpo' or 'cispo'.")
     aggregation: Id = Field(description="Loss aggregation, e.g. 'token-mean' or 'seq-mean-token-mean'.")
     metrics: dict[str, float] = Field(default_factory=dict, description="Namespaced scalars (train/..., rollout/...).")
+    rewards: tuple[float, ...] = Field(default=(), description="Per batch event: the reward the step used.")
+    advantages: tuple[float, ...] = Field(
+        default=(), description="Per batch event: the advantage the step used (after any weights), for replay.")
+    outcome_counts: tuple[NonNegativeInt, ...] = Field(
+        default=(), description="Extractor: per generation, the guided outcomes its reward averaged.")
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TrainStepCompleted:
+        for name in ("rewards", "advantages", "outcome_counts"):
+            values = getattr(self, name)
+            if values and len(values) != len(self.batch_event_ids):
+                raise ValueError(f"{len(values)} {name} for {len(self.batch_event_ids)} batch events")
+        return self

@@ -5,10 +5,14 @@ this registry through the `crl.workers` entry point in pyproject.toml).
 """
 
 from pipeline.launch import WorkerClass
+from workers.actor_trainer import ActorTrainer
 from workers.archiver import Archiver
 from workers.bank import BankProjection
+from workers.extractor_trainer import ExtractorTrainer
 
 WORKERS: dict[str, WorkerClass] = {
     Archiver.name: Archiver,
     BankProjection.name: BankProjection,
+    ActorTrainer.name: ActorTrainer,
+    ExtractorTrainer.name: ExtractorTrainer,
 }

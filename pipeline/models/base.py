@@ -1,0 +1,112 @@
+"""The policy-model interface both backends implement: sample responses with their log-probs, and re-score
+responses differentiably for training.
+
+    policy = build_tiny(TinyModelSettings())                   # or TransformersPolicy.from_pretrained(path)
+    out = policy.generate(["Goal: reach the staircase down\nAction:"], SamplingParams(max_new_tokens=8), seed=0)
+    logps = policy.token_logprobs([out[0].prompt_token_ids], [out[0].token_ids], temperature=1.0)
+
+What a recorded log-prob means (the on-policy ratio depends on it):
+
+- `Generation.logprobs[t]` is `log_softmax(logits / temperature)` at the sampled token: the **un-truncated tempered**
+  distribution. `top_p` / `top_k` only restrict which tokens can be drawn; the recorded value is not renormalised over
+  the kept tokens. `token_logprobs(prompt, response, temperature)` recomputes exactly this quantity, so on the policy
+  that sampled, the ratio `exp(new - recorded)` is 1 up to float error (~1e-5), whatever top_p / top_k were.
+- `temperature == 0` is greedy decoding (argmax); its log-probs are taken at temperature 1, and
+  `token_logprobs(..., temperature=0)` does the same.
+- Sampling is reproducible and independent of batch composition: row `i` of a call with seed `s` draws from its own
+  generator seeded by `row_seed(s, i)`, so the same prompt at the same row index gives the same response whatever
+  else is in the batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+_SEED_MODULUS = 2**63
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row `row`'s generator in a call with `seed`; both backends use it."""
+    return (seed * 1_000_003 + row) % _SEED_MODULUS
+
+
+class SamplingParams(BaseModel):
+    """How `PolicyModel.generate` samples. The defaults are plain ancestral sampling of up to 32 tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = Field(default=32, gt=0, description="Most tokens generated per prompt.")
+    temperature: float = Field(
+        default=1.0, ge=0, description="Softmax temperature; 0 means greedy (argmax), log-probs then at temperature 1.")
+    top_p: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Nucleus sampling: draw only from the smallest set of tokens whose tempered probability reaches "
+        "top_p (1 = off). Recorded log-probs stay those of the un-truncated tempered distribution.")
+    top_k: int = Field(default=0, ge=0, description="Draw only from the k most likely tokens (0 = off).")
+    stop: tuple[str, ...] = Field(
+        default=(),
+        description="A row stops once its decoded response contains one of these; its tokens are kept up to and "
+        "including the token that completed the stop string.")
+    stop_token_ids: tuple[int, ...] = Field(
+        default=(), description="Token ids that end a row (kept as its last token); the eos token always does.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_are_not_empty(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if "" in stop:
+            raise ValueError("stop strings must be non-empty (an empty one would end every row at its first token)")
+        return stop
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """Generated tokens, including the eos / stop token that ended the row, if any."""
+    text: str
+    """`decode(token_ids)`, special tokens skipped."""
+    logprobs: tuple[float, ...]
+    """One per token: the sampling log-prob (see the module docstring)."""
+    finish_reason: Literal["stop", "length"]
+    """`stop`: eos, a stop token or a stop string ended the row; `length`: `max_new_tokens` did."""
+
+
+class PolicyModel(ABC):
+    """A causal LM with its tokenizer that samples with recorded log-probs and re-scores responses."""
+
+    tokenizer: PreTrainedTokenizerBase
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens skipped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @abstractmethod
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int
+    ) -> list[Generation]:
+        """One `Generation` per prompt (text, encoded without special tokens, or token ids), in order."""
+
+    @abstractmethod
+    def token_logprobs(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[torch.Tensor]:
+        """Per row a `(len(response_ids[i]),)` float32 tensor: `log p(response[t] | prompt, response[:t])` under
+        `softmax(logits / temperature)` (temperature 0 counts as 1)."""

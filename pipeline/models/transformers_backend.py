@@ -1,0 +1,262 @@
+"""The transformers backend: sampling and re-scoring with a `PreTrainedModel` on any torch device (CPU here).
+
+    policy = TransformersPolicy.from_pretrained("/models/qwen2.5-0.5b-instruct", device="cpu")
+    generations = policy.generate(["Action:"], SamplingParams(max_new_tokens=16), seed=7)
+
+`generate` runs its own decoding loop instead of `model.generate`, for two properties the trainers rely on:
+
+- exact log-probs: each recorded value is `log_softmax(logits / temperature)` at the sampled token, the quantity
+  `token_logprobs` recomputes (see `pipeline.models.base`);
+- reproducible, batch-independent sampling: row `i` draws its Gumbel noise from its own generator seeded by
+  `row_seed(seed, i)`, and picks `argmax(logits / T + gumbel)` over the tokens top_k / top_p allow (Gumbel-max draws
+  exactly from the softmax over the kept tokens). Its draws never depend on the other rows, so the same prompt at
+  the same index gives the same tokens whatever shares its batch (up to float ties in the padded forward pass).
+
+Layouts. Generation: the prompts of one micro-batch are left-padded so every row's next token sits in the last
+column; position ids come from the attention mask's cumulative sum, so padding shifts nothing. Scoring: left-padded
+prompt then right-padded response, so every response starts at the same column and one `logits_to_keep` slice
+covers all of them (the vocabulary-sized logits dominate memory, so only those positions are projected).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the local directory `path`, exactly as saved.
+
+    A tokenizer saved as a generic one (`tokenizer_class` TokenizersBackend / PreTrainedTokenizerFast, as the tiny
+    preset's is) is rebuilt from its `tokenizer.json` alone. `AutoTokenizer` would not do that for a `qwen2` config:
+    it forces `Qwen2Tokenizer`, which swaps in Qwen's pre-tokenizer regex and adds an `<|endoftext|>` token, so the
+    same text would encode differently. Any other class (a real Qwen or Llama model) loads through `AutoTokenizer`.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer_config = Path(path) / "tokenizer_config.json"
+    declared = json.loads(tokenizer_config.read_text()).get("tokenizer_class") if tokenizer_config.is_file() else None
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class TransformersPolicy(PolicyModel):
+    """A transformers causal LM and its tokenizer. `model` is public: trainers call `.model.parameters()` and
+    `.model.train()`; `token_logprobs` is differentiable when grad is enabled. Both `generate` and `token_logprobs`
+    run `micro_batch_size` rows per forward pass (the vocabulary-sized logits bound the memory)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        device: str = "cpu",
+        micro_batch_size: int = 8,
+    ) -> None:
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ConfigError("the tokenizer has neither a pad nor an eos token; padding needs one of them")
+        self.pad_token_id: int = pad
+        config_eos = model.config.eos_token_id
+        config_eos = [] if config_eos is None else [config_eos] if isinstance(config_eos, int) else list(config_eos)
+        tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self.eos_token_ids: frozenset[int] = frozenset(tokenizer_eos + config_eos)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str = "cpu", *, dtype: torch.dtype = torch.float32, micro_batch_size: int = 8
+    ) -> TransformersPolicy:
+        """Load a model directory (config, weights, tokenizer) from local disk; nothing is downloaded."""
+        from transformers import AutoModelForCausalLM
+
+        if not Path(path).is_dir():
+            raise ConfigError(f"model path {path} is not a local directory (nothing is downloaded at run time)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+            tokenizer = load_tokenizer(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot load a causal LM and tokenizer from {path}: {exc}") from exc
+        return cls(model, tokenizer, device=device, micro_batch_size=micro_batch_size)
+
+    # -- generation -----------------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int
+    ) -> list[Generation]:
+        prompt_ids = [self._prompt_ids(prompt) for prompt in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                generations: list[Generation] = []
+                for start in range(0, len(prompt_ids), self.micro_batch_size):
+                    rows = range(start, min(start + self.micro_batch_size, len(prompt_ids)))
+                    generators = [self._generator(row_seed(seed, row)) for row in rows]
+                    generations += self._generate_micro_batch([prompt_ids[r] for r in rows], generators, sampling)
+                return generations
+        finally:
+            self.model.train(was_training)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("a prompt must have at least one token to condition on")
+        return ids
+
+    def _generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _generate_micro_batch(
+        self, prompt_ids: list[list[int]], generators: list[torch.Generator], sampling: SamplingParams
+    ) -> list[Generation]:
+        batch = len(prompt_ids)
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)  # (B, P)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)  # (B, P)
+        for i, ids in enumerate(prompt_ids):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()  # (B, V)
+        next_position = position_ids[:, -1:] + 1  # (B, 1)
+
+        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        stopped = [False] * batch
+        for step in range(sampling.max_new_tokens):
+            active = [i for i in range(batch) if not stopped[i]]
+            chosen, chosen_logp = self._sample(logits[active], [generators[i] for i in active], sampling)
+            next_ids = torch.full((batch, 1), self.pad_token_id, dtype=torch.long)  # (B, 1); finished rows: pad
+            for row, token, logp in zip(active, chosen.tolist(), chosen_logp.tolist(), strict=True):
+                tokens[row].append(token)
+                logprobs[row].append(logp)
+                next_ids[row, 0] = token
+                if token in stop_ids or (sampling.stop and self._contains_stop(tokens[row], sampling.stop)):
+                    stopped[row] = True
+            if step == sampling.max_new_tokens - 1 or all(stopped):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)  # (B, P+t+1)
+            out = self.model(input_ids=next_ids.to(self.device), attention_mask=attention_mask,
+                             position_ids=next_position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (B, V)
+            next_position = next_position + 1
+
+        return [
+            Generation(
+                prompt_token_ids=tuple(prompt_ids[i]), token_ids=tuple(tokens[i]), text=self.decode(tokens[i]),
+                logprobs=tuple(logprobs[i]), finish_reason="stop" if stopped[i] else "length",
+            )
+            for i in range(batch)
+        ]
+
+    def _contains_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
+        # The whole response is decoded each time: a stop string can straddle tokens, and a byte-level token can
+        # hold half a character, so only the decoded text says whether it appeared.
+        text = self.decode(tokens)
+        return any(s in text for s in stop)
+
+    def _sample(
+        self, logits: torch.Tensor, generators: list[torch.Generator], sampling: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token and its sampling log-prob for each row of `logits` (b, V); row j draws from `generators[j]`."""
+        if sampling.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)  # (b, V)
+            token = logits.argmax(dim=-1)  # (b,)
+            return token, logp.gather(-1, token[:, None]).squeeze(-1)
+        scaled = logits / sampling.temperature  # (b, V)
+        logp = torch.log_softmax(scaled, dim=-1)  # (b, V), un-truncated: what gets recorded
+        allowed = self._truncate(scaled, sampling.top_k, sampling.top_p)  # (b, V), -inf outside the kept set
+        vocab = logits.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=g, device=self.device) for g in generators])  # (b, V)
+        # tiny instead of 0 keeps the noise finite; rand never returns 1.
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=torch.finfo(uniform.dtype).tiny)))  # (b, V)
+        token = (allowed + gumbel).argmax(dim=-1)  # (b,)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    @staticmethod
+    def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+        """`scaled` (b, V) with the tokens top_k, then top_p, exclude set to -inf (the order transformers uses)."""
+        if 0 < top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (b, 1)
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if top_p < 1.0:
+            ordered, order = torch.sort(scaled, dim=-1, descending=True)  # (b, V)
+            probs = torch.softmax(ordered, dim=-1)
+            # A token is dropped once the more likely tokens before it already reach top_p; the first always stays.
+            drop_ordered = (probs.cumsum(dim=-1) - probs) >= top_p  # (b, V)
+            drop = torch.zeros_like(drop_ordered).scatter(-1, order, drop_ordered)
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        return scaled
+
+    # -- scoring --------------------------------------------------------------------------------------------------
+
+    def token_logprobs(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[torch.Tensor]:
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        scale = temperature if temperature > 0 else 1.0  # greedy samples record log-probs at temperature 1
+        result: list[torch.Tensor] = []
+        for start in range(0, len(prompt_ids), self.micro_batch_size):
+            prompts = [[int(t) for t in p] for p in prompt_ids[start : start + self.micro_batch_size]]
+            responses = [[int(t) for t in r] for r in response_ids[start : start + self.micro_batch_size]]
+            result += self._score_micro_batch(prompts, responses, scale)
+        return result
+
+    def _score_micro_batch(
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float
+    ) -> list[torch.Tensor]:
+        if any(not p for p in prompts):
+            raise ValueError("a prompt must have at least one token to condition on")
+        batch = len(prompts)
+        prompt_width = max(len(p) for p in prompts)
+        response_width = max(len(r) for r in responses)
+        if response_width == 0:
+            return [torch.zeros(0, dtype=torch.float32, device=self.device) for _ in range(batch)]
+        input_ids = torch.full((batch, prompt_width + response_width), self.pad_token_id, dtype=torch.long)  # (B, L)
+        attention_mask = torch.zeros_like(input_ids)  # (B, L)
+        for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            input_ids[i, prompt_width - len(prompt) : prompt_width + len(response)] = torch.tensor(prompt + response)
+            attention_mask[i, prompt_width - len(prompt) : prompt_width + len(response)] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        # The logits at columns P-1 .. P+R-2 predict the response tokens at columns P .. P+R-1.
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, logits_to_keep=response_width + 1)
+        logits = out.logits[:, :-1, :].float() / temperature  # (B, R, V)
+        targets = input_ids[:, prompt_width:]  # (B, R)
+        # gather - logsumexp instead of log_softmax: no second (B, R, V) tensor.
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B, R)
+        return [logp[i, : len(response)] for i, response in enumerate(responses)]

@@ -1,0 +1,119 @@
+"""One optimiser step over a batch of samples: the part both trainers and `crl replay train` share, so a replay runs
+exactly the code the trainer ran.
+
+A sample is one generated response with the prompt it answered, the log-probs recorded when it was sampled and one
+advantage broadcast to its tokens. For the actor a sample is one turn of a trajectory (its prompt already holds the
+history); for the extractor it is one generation.
+
+Reproducibility on CPU: `deterministic_torch(threads)` turns on deterministic algorithms and fixes the thread count
+(float reductions depend on it), and every step runs the same micro-batches in the same order; the weight hash after
+a step is then a pure function of the weights before it, the optimiser state and the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.models.base import PolicyModel
+from pipeline.rl.losses import policy_loss
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    """Sampling log-probs recorded with the response; the importance ratio is taken against them."""
+    advantage: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Sum of the micro-batch losses: the batch loss under the aggregation."""
+    tokens: int
+    """Response tokens of every sample (the token-mean denominator)."""
+    trained_tokens: int
+    """Tokens that went through the model: samples with a zero advantage carry no gradient and are skipped."""
+    sequences: int
+    clipped_low: int
+    clipped_high: int
+    grad_norm: float
+
+    @property
+    def clip_fraction(self) -> float:
+        return (self.clipped_low + self.clipped_high) / self.trained_tokens if self.trained_tokens else 0.0
+
+
+def deterministic_torch(threads: int) -> None:
+    """Deterministic kernels and a fixed thread count: the same step gives the same bits on the same machine."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                   eps: float) -> torch.optim.AdamW:
+    """AdamW at a constant learning rate (PAPER.md); `foreach=False` keeps the update order fixed."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                             foreach=False)
+
+
+def _padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        values = row if isinstance(row, torch.Tensor) else torch.tensor(row, dtype=torch.float32)
+        out[i, : len(values)] = values
+    return out
+
+
+def policy_step(
+    policy: PolicyModel,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    *,
+    variant: str,
+    aggregation: str,
+    eps_low: float,
+    eps_high: float,
+    temperature: float,
+    micro_batch_size: int,
+    max_grad_norm: float,
+) -> StepResult:
+    """Accumulate the loss of `samples` over micro-batches, clip the gradient norm, take one optimiser step."""
+    samples = [s for s in samples if s.response_ids]
+    total_tokens = sum(len(s.response_ids) for s in samples)
+    trained = [s for s in samples if s.advantage != 0.0]
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, clipped_low, clipped_high = 0.0, 0, 0
+    for start in range(0, len(trained), micro_batch_size):
+        chunk = trained[start : start + micro_batch_size]
+        logps = policy.token_logprobs([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], temperature)
+        width = max(len(s.response_ids) for s in chunk)
+        logp = torch.zeros(len(chunk), width)  # (b, T), padding 0 keeps gradients finite
+        mask = torch.zeros(len(chunk), width)  # (b, T)
+        for i, row in enumerate(logps):
+            logp = logp.index_put((torch.tensor([i]), torch.arange(len(row))), row)
+            mask[i, : len(row)] = 1.0
+        out = policy_loss(
+            variant, logp, _padded([s.behaviour_logprobs for s in chunk], width),
+            torch.tensor([s.advantage for s in chunk], dtype=torch.float32), mask,
+            eps_low=eps_low, eps_high=eps_high, aggregation=aggregation,
+            total_tokens=total_tokens, total_sequences=len(samples),
+        )
+        out.loss.backward()
+        loss_sum += out.loss.item()
+        clipped_low += out.clipped_low
+        clipped_high += out.clipped_high
+    grad_norm = 0.0
+    if trained:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return StepResult(loss=loss_sum, tokens=total_tokens, trained_tokens=sum(len(s.response_ids) for s in trained),
+                      sequences=len(samples), clipped_low=clipped_low, clipped_high=clipped_high, grad_norm=grad_norm)

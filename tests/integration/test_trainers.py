@@ -1,0 +1,221 @@
+"""Both trainers against a real broker: synthetic trajectories and generations in, policies and train steps out,
+`crl replay train` reproduces every step, and a trainer killed between checkpoint and publish heals itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kafka import KafkaProducer
+
+from infra.kafka import KafkaSettings
+from pipeline.models.checkpoints import load_checkpoint, manifest_sha256
+from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
+from pipeline.training import read_to_end
+from schemas.base import Event
+from schemas.codec import encode
+from schemas.topics import POLICY, TRAIN_STEPS, topic_of
+from schemas.training import PolicyPublished, TrainStepCompleted
+
+pytestmark = pytest.mark.integration
+
+CRL = [sys.executable, "-m", "pipeline.cli"]
+TINY = {"HIDDEN_SIZE": "64", "NUM_LAYERS": "2", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "INTERMEDIATE_SIZE": "128",
+        "VOCAB_SIZE": "512", "CORPUS_EPISODES": "4"}
+
+
+def _env(bootstrap: str, run_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    env.update({
+        "CRL_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "CRL_RUN_DIR": str(run_dir), "CRL_RUNNER__POLL_TIMEOUT_MS": "100",
+        "HF_HUB_OFFLINE": "1", "CRL_ARCHIVER__FLUSH_INTERVAL_S": "0.2",
+        "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1", "CRL_ACTOR_TRAINER__GROUP_SIZE": "4",
+        "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2", "CRL_ACTOR_TRAINER__LR": "0.001",
+        "CRL_ACTOR_TRAINER__THREADS": "1", "CRL_ACTOR_TRAINER__MICRO_BATCH_SIZE": "6",
+        "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "4", "CRL_EXTRACTOR_TRAINER__LR": "0.001",
+        "CRL_EXTRACTOR_TRAINER__THREADS": "1",
+    })
+    for field, value in TINY.items():
+        env[f"CRL_ACTOR_TRAINER__MODEL__TINY__{field}"] = value
+        env[f"CRL_EXTRACTOR_TRAINER__MODEL__TINY__{field}"] = value
+    return env
+
+
+def _start(worker: str, env: dict[str, str], log: Path, *, prelude: str | None = None) -> subprocess.Popen:
+    if prelude is None:
+        command = [*CRL, "worker", worker, "--instance", f"{worker}-test"]
+    else:
+        script = f"{prelude}\nimport sys\nfrom pipeline.cli import main\nsys.argv = ['crl', 'worker', '{worker}']\nmain()"
+        command = [sys.executable, "-c", script]
+    return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _wait_for(what: str, check: Callable[[], object], timeout_s: float, log: Path) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; worker log:\n{log.read_text()[-4000:]}")
+
+
+def _published(kafka: KafkaSettings, role: str) -> tuple[list[PolicyPublished], list[TrainStepCompleted]]:
+    policies = [e for e in read_to_end(kafka, POLICY) if isinstance(e, PolicyPublished) and e.role == role]
+    steps = [e for e in read_to_end(kafka, TRAIN_STEPS) if isinstance(e, TrainStepCompleted) and e.role == role]
+    return policies, steps
+
+
+def _send(bootstrap: str, events: list[Event]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_request_size=4 * 1024 * 1024)
+    for event in events:
+        topic = topic_of(event)
+        producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
+    producer.flush()
+    producer.close()
+
+
+def _archived_kinds(run_dir: Path) -> dict[str, int]:
+    from pipeline.audit import Audit
+
+    with Audit(run_dir) as audit:
+        _, rows = audit.query("SELECT kind, count(*) FROM events GROUP BY kind")
+    return dict(rows)
+
+
+def test_actor_trainer_publishes_steps_that_replay_exactly(kafka_bootstrap, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    env = _env(kafka_bootstrap, tmp_path)
+    log = tmp_path / "workers.log"
+    archiver = _start("archiver", env, log)
+    trainer = _start("actor_trainer", env, log)
+    try:
+        policies = _wait_for("actor version 0", lambda: _published(kafka, "actor")[0], 180, log)
+        v0 = policies[0]
+        assert v0.version == 0 and v0.sha256 == manifest_sha256(Path(v0.checkpoint_uri.removeprefix("file://")))
+        policy = load_checkpoint(Path(v0.checkpoint_uri.removeprefix("file://")), v0.sha256).policy
+        batches = {step: synthetic_trajectories(policy, run_id=tmp_path.name, step=step, groups=2, group_size=4,
+                                                seed=3) for step in (0, 1, 2)}
+        _send(kafka_bootstrap, [t for step in (0, 1, 2) for t in reversed(batches[step])])  # arrival order scrambled
+        _, steps = _wait_for("two actor steps", lambda: (lambda p: p if len(p[1]) >= 2 else None)(
+            _published(kafka, "actor")), 240, log)
+        policies, steps = _published(kafka, "actor")
+        assert [p.version for p in policies] == [0, 1, 2]
+        assert [(s.step, s.policy_version) for s in steps] == [(1, 1), (2, 2)]  # step 0 was warm-up
+        for step in steps:
+            expected = sorted(batches[step.step], key=lambda t: (t.group_id, t.slot))
+            assert step.batch_event_ids == tuple(str(t.event_id) for t in expected)
+            assert step.tokens == sum(len(turn.response_token_ids) for t in expected for turn in t.turns)
+            assert step.weight_hash_before != step.weight_hash_after
+            assert step.loss_variant == "grpo" and step.aggregation == "token-mean"
+            assert "train/clip_fraction" in step.metrics and "rollout/success_guided" in step.metrics
+        assert steps[1].weight_hash_before == steps[0].weight_hash_after
+        for published in policies:
+            path = Path(published.checkpoint_uri.removeprefix("file://"))
+            assert load_checkpoint(path, published.sha256).manifest["weight_hash"] == (
+                steps[published.version - 1].weight_hash_after if published.version else steps[0].weight_hash_before)
+        _wait_for("the archive", lambda: _archived_kinds(tmp_path).get("TrainStepCompleted", 0) >= 2, 60, log)
+    finally:
+        _stop(trainer)
+        _stop(archiver)
+    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "actor"], env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "actor: 2 steps replayed, every weight hash matches" in replayed.stdout
+
+
+def test_extractor_trainer_credits_generations_and_rebuilds_its_join_after_restart(kafka_bootstrap, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    env = _env(kafka_bootstrap, tmp_path)
+    log = tmp_path / "workers.log"
+    archiver = _start("archiver", env, log)
+    trainer = _start("extractor_trainer", env, log)
+    try:
+        policies = _wait_for("extractor version 0", lambda: _published(kafka, "extractor")[0], 180, log)
+        extractor = load_checkpoint(Path(policies[0].checkpoint_uri.removeprefix("file://")), policies[0].sha256)
+        generations = synthetic_extractions(extractor.policy, run_id=tmp_path.name, count=6, seed=1)
+        served = [g.generation_id for g in generations[:4]]
+        episodes = synthetic_trajectories(extractor.policy, run_id=tmp_path.name, step=1, groups=4, group_size=2,
+                                          seed=5, served_generations=served)
+        _send(kafka_bootstrap, [*episodes, *generations])  # outcomes may arrive before the generation they credit
+        _wait_for("extractor step 1", lambda: _published(kafka, "extractor")[1], 240, log)
+        first = _published(kafka, "extractor")[1][0]
+        assert sorted(first.batch_event_ids) == sorted(str(g.event_id) for g in generations[:4])
+        by_generation = {str(g.event_id): g.generation_id for g in generations}
+        for event_id, reward, count in zip(first.batch_event_ids, first.rewards, first.outcome_counts, strict=True):
+            credited = [1.0 if t.success else -1.0 for t in episodes
+                        if any(r.generation_id == by_generation[event_id] for r in t.retrieved)]
+            assert count == len(credited) and reward == pytest.approx(sum(credited) / len(credited))
+        assert first.advantages == pytest.approx([r - sum(first.rewards) / 4 for r in first.rewards])
+
+        # Restart: the join comes back from the log; nothing new, so no new step. New outcomes for 2 trained and 2
+        # fresh generations make the next batch, where the retrained ones are weighted (1 + 1)^-0.5.
+        _stop(trainer)
+        trainer = _start("extractor_trainer", env, log)
+        time.sleep(5)
+        assert len(_published(kafka, "extractor")[1]) == 1
+        more = synthetic_trajectories(extractor.policy, run_id=f"{tmp_path.name}-more", step=2, groups=4,
+                                      group_size=2, seed=6, served_generations=[served[0], served[1],
+                                                                                generations[4].generation_id,
+                                                                                generations[5].generation_id])
+        _send(kafka_bootstrap, more)
+        _wait_for("extractor step 2", lambda: len(_published(kafka, "extractor")[1]) >= 2, 240, log)
+        policies, steps = _published(kafka, "extractor")
+        assert [p.version for p in policies] == [0, 1, 2] and [s.policy_version for s in steps] == [1, 2]
+        second = steps[1]
+        retrained = {str(generations[0].event_id), str(generations[1].event_id)}
+        assert set(second.batch_event_ids) == retrained | {str(g.event_id) for g in generations[4:]}
+        assert second.weight_hash_before == first.weight_hash_after
+        _wait_for("the archive", lambda: _archived_kinds(tmp_path).get("TrainStepCompleted", 0) >= 2, 60, log)
+    finally:
+        _stop(trainer)
+        _stop(archiver)
+    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "extractor: 2 steps replayed, every weight hash matches" in replayed.stdout
+
+
+def test_trainer_killed_between_checkpoint_and_publish_resumes_without_duplicate_or_gap(kafka_bootstrap, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    env = _env(kafka_bootstrap, tmp_path)
+    log = tmp_path / "workers.log"
+    # Dies the moment the first new version is written, before any of its events is published.
+    die_before_publish = ("import os\nimport workers.actor_trainer as m\n"
+                          "m.ActorTrainer.publish_version = lambda self, version, io: os._exit(9)")
+    trainer = _start("actor_trainer", env, log, prelude=die_before_publish)
+    try:
+        policies = _wait_for("actor version 0", lambda: _published(kafka, "actor")[0], 180, log)
+        policy = load_checkpoint(Path(policies[0].checkpoint_uri.removeprefix("file://")), policies[0].sha256).policy
+        _send(kafka_bootstrap, synthetic_trajectories(policy, run_id=tmp_path.name, step=1, groups=2, group_size=4,
+                                                      seed=9))
+        assert trainer.wait(timeout=240) == 9
+        assert (tmp_path / "checkpoints" / "actor" / "v000001" / "manifest.json").exists()
+        assert [p.version for p in _published(kafka, "actor")[0]] == [0]
+        trainer = _start("actor_trainer", env, log)
+        _wait_for("version 1 published on restart", lambda: len(_published(kafka, "actor")[1]) == 1, 180, log)
+        _send(kafka_bootstrap, synthetic_trajectories(policy, run_id=tmp_path.name, step=2, groups=2, group_size=4,
+                                                      seed=9))
+        _wait_for("version 2", lambda: len(_published(kafka, "actor")[1]) >= 2, 240, log)
+        time.sleep(2)
+        policies, steps = _published(kafka, "actor")
+        assert [p.version for p in policies] == [0, 1, 2]
+        assert [(s.step, s.policy_version) for s in steps] == [(1, 1), (2, 2)]
+        assert steps[1].weight_hash_before == steps[0].weight_hash_after
+    finally:
+        _stop(trainer)

@@ -1,0 +1,149 @@
+"""How the trainers form batches: the actor's step collector and the extractor's outcome join (no model, no broker)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from pipeline.errors import ConfigError
+from schemas.base import Producer
+from schemas.extractions import ExtractionGenerated
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
+from workers.actor_trainer import StepCollector
+from workers.extractor_trainer import ExtractorJoin
+
+WHO = Producer(worker="test", instance="test-0")
+P = ("crl.trajectories", 0)
+
+
+def trajectory(step: int, group: str, slot: int, *, success: bool = False, guided: bool = False,
+               split: str = "train", served: tuple[str, ...] = ()) -> TrajectoryCompleted:
+    return TrajectoryCompleted(
+        run_id="r", producer=WHO, trajectory_id=f"t-{step}-{group}-{slot}-{split}", assignment_event_id="a", step=step,
+        split=split, env_id="e", task_family="f", seed=1, group_id=group, slot=slot, guided=guided, goal="g",
+        turns=(Turn(observation="o", prompt_token_ids=(1, 2), response_token_ids=(3,), sampling_logprobs=(-1.0,),
+                    response_text="x", action="x", valid=True, reward=float(success)),),
+        reward=float(success), success=success, num_actions=1, invalid_actions=0, truncated=False,
+        retrieved=tuple(ExperienceRef(experience_id=f"x-{g}", version=1, generation_id=g) for g in served),
+        bank_offset=0 if served else None, policy_version=0,
+        timings=Timings(generation_s=0, env_s=0, retrieval_s=0),
+    )
+
+
+def test_a_step_closes_when_all_its_groups_are_complete_in_canonical_order():
+    collector = StepCollector(group_size=2, groups_per_step=2, timeout_s=60, next_step=0)
+    arrivals = [("g2", 1), ("g1", 1), ("g2", 0)]
+    for offset, (group, slot) in enumerate(arrivals):
+        collector.add(trajectory(0, group, slot), P, offset, now=0.0)
+    assert collector.close(now=1.0) is None
+    collector.add(trajectory(0, "g1", 0), P, 3, now=1.0)
+    closed = collector.close(now=1.0)
+    assert closed is not None and not closed.timed_out and closed.dropped_event_ids == []
+    assert [(t.group_id, t.slot) for t in closed.trajectories] == [("g1", 0), ("g1", 1), ("g2", 0), ("g2", 1)]
+    assert collector.next_step == 1 and collector.pending_offsets() == {}
+
+
+def test_timeout_trains_complete_groups_and_drops_the_rest():
+    collector = StepCollector(group_size=2, groups_per_step=2, timeout_s=10, next_step=3)
+    collector.add(trajectory(3, "a", 0), P, 10, now=100.0)
+    collector.add(trajectory(3, "a", 1), P, 11, now=101.0)
+    straggler = trajectory(3, "b", 1)
+    collector.add(straggler, P, 12, now=102.0)
+    collector.add(trajectory(4, "c", 0), P, 13, now=103.0)
+    assert collector.pending_offsets() == {P: 10}
+    assert collector.close(now=109.9) is None
+    closed = collector.close(now=110.0)
+    assert closed is not None and closed.step == 3 and closed.timed_out
+    assert [t.group_id for t in closed.trajectories] == ["a", "a"]
+    assert closed.dropped_event_ids == [str(straggler.event_id)]
+    # the next step is still pending, and a late episode of step 3 is counted, not collected
+    assert collector.pending_offsets() == {P: 13}
+    collector.add(trajectory(3, "b", 0), P, 14, now=111.0)
+    assert collector.late == 1 and collector.pending_offsets() == {P: 13}
+
+
+def test_warm_up_and_eval_episodes_are_not_collected():
+    collector = StepCollector(group_size=2, groups_per_step=1, timeout_s=10, next_step=2)
+    collector.add(trajectory(1, "w", 0), P, 0, now=0.0)
+    collector.add(trajectory(2, "e", 0, split="eval"), P, 1, now=0.0)
+    assert collector.steps == {} and collector.late == 1
+
+
+def test_a_slot_outside_the_configured_group_is_a_config_error():
+    collector = StepCollector(group_size=2, groups_per_step=1, timeout_s=10, next_step=0)
+    with pytest.raises(ConfigError, match="group_size is 2"):
+        collector.add(trajectory(0, "g", 5), P, 0, now=0.0)
+
+
+def extraction(generation_id: str, status: str = "ok") -> ExtractionGenerated:
+    return ExtractionGenerated(
+        run_id="r", producer=WHO, generation_id=generation_id, extractor_version=0, purpose="distill",
+        task_family="f", prompt_token_ids=(1, 2), response_token_ids=(3, 4), sampling_logprobs=(-1.0, -2.0),
+        response_text="<answer>[]</answer>", parse_status=status, op_ids=(f"{generation_id}:0",) if status == "ok" else (),
+        parse_error="bad" if status == "parse_error" else None,
+    )
+
+
+def test_join_credits_generations_with_mean_outcomes_and_weights_retraining():
+    join = ExtractorJoin()
+    generations = {g: extraction(g) for g in ("ga", "gb", "gc")}
+    for event in generations.values():
+        join.add_extraction(event)
+    join.add_extraction(extraction("gx", "parse_error"))  # not a sample
+    # ga: success + failure -> 0; gb: success -> +1; gc: nothing yet; eval and free episodes give no credit
+    join.add_trajectory(trajectory(1, "g", 0, success=True, guided=True, served=("ga", "gb")))
+    join.add_trajectory(trajectory(1, "g", 1, success=False, guided=True, served=("ga",)))
+    join.add_trajectory(trajectory(1, "h", 0, success=False, guided=True, served=("gc",), split="eval"))
+    assert join.ready() == [str(generations["ga"].event_id), str(generations["gb"].event_id)]
+    assert join.batch(step=1, size=3, alpha=0.5, delta=1) is None
+    batch = join.batch(step=1, size=2, alpha=0.5, delta=1)
+    assert batch is not None
+    by_id = dict(zip(batch.event_ids, range(2)))
+    a, b = by_id[str(generations["ga"].event_id)], by_id[str(generations["gb"].event_id)]
+    # rewards 0 and 1, mean 0.5: advantages -0.5 and +0.5, weights 1 (never trained)
+    assert (batch.rewards[a], batch.rewards[b]) == (0.0, 1.0)
+    assert (batch.advantages[a], batch.advantages[b]) == (-0.5, 0.5)
+    assert (batch.outcome_counts[a], batch.outcome_counts[b]) == (2, 1)
+    # the step trains them; gb gets a new outcome and is ready again, weighted (1 + 1)^-0.5
+    step = TrainStepCompleted(
+        run_id="r", producer=WHO, role="extractor", step=1, policy_version=1, batch_event_ids=batch.event_ids,
+        weight_hash_before="0" * 64, weight_hash_after="1" * 64, loss=0.0, tokens=4, loss_variant="cispo",
+        aggregation="token-mean", rewards=batch.rewards, advantages=batch.advantages,
+        outcome_counts=batch.outcome_counts)
+    join.add_train_step(step)
+    assert join.ready() == []
+    join.add_trajectory(trajectory(2, "g", 2, success=False, guided=True, served=("gb", "gc")))
+    assert join.ready() == [str(generations["gb"].event_id), str(generations["gc"].event_id)]
+    batch = join.batch(step=2, size=2, alpha=0.5, delta=1)
+    assert batch is not None
+    by_id = dict(zip(batch.event_ids, range(2)))
+    b, c = by_id[str(generations["gb"].event_id)], by_id[str(generations["gc"].event_id)]
+    assert (batch.rewards[b], batch.rewards[c]) == (0.0, -1.0)  # gb: mean(+1, -1); gc: -1
+    assert batch.weights[b] == pytest.approx(2 ** -0.5) and batch.weights[c] == 1.0
+    assert batch.advantages[b] == pytest.approx(0.5 * 2 ** -0.5) and batch.advantages[c] == -0.5
+    # delta 2: gb was trained 1 step ago (< 2), so it carries no advantage
+    assert join.batch(step=2, size=2, alpha=0.5, delta=2).weights[b] == 0.0
+
+
+def test_join_rebuilt_in_another_order_gives_the_same_ready_set():
+    events = [extraction("ga"), extraction("gb")]
+    trained = TrainStepCompleted(
+        run_id="r", producer=WHO, role="extractor", step=1, policy_version=1,
+        batch_event_ids=(str(events[0].event_id),), weight_hash_before="0" * 64, weight_hash_after="1" * 64,
+        loss=0.0, tokens=2, loss_variant="cispo", aggregation="token-mean", outcome_counts=(1,))
+    outcomes = [trajectory(1, "g", 0, success=True, guided=True, served=("ga", "gb"))]
+    live, rebuilt = ExtractorJoin(), ExtractorJoin()
+    for event in events:
+        live.add_extraction(event)
+    live.add_trajectory(outcomes[0])
+    live.add_train_step(trained)
+    # after a restart the train step may be read before the extraction it names
+    rebuilt.add_train_step(trained)
+    rebuilt.add_trajectory(outcomes[0])
+    for event in reversed(events):
+        rebuilt.add_extraction(event)
+    assert set(live.ready()) == set(rebuilt.ready()) == {str(events[1].event_id)}
+    assert rebuilt.generations[str(events[0].event_id)].trainings == {1}

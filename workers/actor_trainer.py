@@ -1,0 +1,238 @@
+"""Actor trainer: GRPO with subgroup advantages over the trajectories of each training step.
+
+    crl worker actor_trainer --run-dir runs/demo
+
+It reads `crl.trajectories` in assign mode with its own positions, collects the train-split episodes of the next step
+until the step's `groups_per_step` groups of `group_size` slots are complete (or `group_timeout_s` passes: complete
+groups train, incomplete ones are dropped and listed in the event), sorts them canonically (group id, slot), and -
+after the warm-up steps, which only fill the bank - runs one update (`pipeline.rl.update.policy_step`): advantages
+normalised inside the guided and the free half of each group, one sample per turn, the clipped ratio against the
+recorded sampling log-probs, AdamW, gradient clip. It writes the checkpoint, then publishes `PolicyPublished(actor)`
+and `TrainStepCompleted`, then commits its positions.
+
+Positions never pass a trajectory that is collected but not yet trained, so a restart re-reads exactly what was
+pending; what belongs to steps already trained (the newest checkpoint says which) is ignored. A crash between
+checkpoint and publish is healed on restart by publishing the checkpoint's own events (`pipeline.training`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.launch import WorkerContext
+from pipeline.offsets import LogPosition, SqlOffsetStore
+from pipeline.runner import Origin, Source, SourceIO
+from pipeline.training import PolicyTrainer, actor_advantages, actor_samples, checkpoints_root, events_of, unpublished
+from pipeline.settings import ActorTrainerSettings
+from pipeline.transport import OffsetStore, Position
+from schemas.base import Producer
+from schemas.topics import TRAJECTORIES
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClosedStep:
+    """A step ready to train: its complete groups in canonical order, and what was dropped."""
+
+    step: int
+    trajectories: list[TrajectoryCompleted]
+    dropped_event_ids: list[str]
+    timed_out: bool
+    late: int
+
+
+@dataclass
+class _Pending:
+    groups: dict[str, dict[int, tuple[TrajectoryCompleted, Position, int]]] = field(
+        default_factory=lambda: defaultdict(dict))
+    waiting_since: float | None = None
+
+
+class StepCollector:
+    """Collects train episodes per step and closes steps in order: complete, or timed out."""
+
+    def __init__(self, group_size: int, groups_per_step: int, timeout_s: float, next_step: int) -> None:
+        self.group_size = group_size
+        self.groups_per_step = groups_per_step
+        self.timeout_s = timeout_s
+        self.next_step = next_step
+        self.steps: dict[int, _Pending] = defaultdict(_Pending)
+        self.late = 0
+
+    def add(self, trajectory: TrajectoryCompleted, position: Position, offset: int, now: float) -> None:
+        if trajectory.split != "train":
+            return
+        if trajectory.step < self.next_step:
+            self.late += 1  # a warm-up step, a step already trained, or a straggler of a closed step
+            return
+        if trajectory.slot >= self.group_size:
+            raise ConfigError(f"trajectory {trajectory.trajectory_id} has slot {trajectory.slot} but the trainer's "
+                              f"group_size is {self.group_size}: the scheduler and the trainer disagree")
+        pending = self.steps[trajectory.step]
+        pending.groups[trajectory.group_id].setdefault(trajectory.slot, (trajectory, position, offset))
+        if pending.waiting_since is None:
+            pending.waiting_since = now
+
+    def close(self, now: float) -> ClosedStep | None:
+        """The next step, if all its groups are complete or its timeout passed."""
+        pending = self.steps.get(self.next_step)
+        if pending is None:
+            return None
+        complete = sorted(g for g, slots in pending.groups.items() if len(slots) == self.group_size)
+        timed_out = pending.waiting_since is not None and now - pending.waiting_since >= self.timeout_s
+        if len(complete) < self.groups_per_step and not timed_out:
+            return None
+        trajectories = [pending.groups[g][slot][0] for g in complete[: self.groups_per_step]
+                        for slot in sorted(pending.groups[g])]
+        kept = {t.event_id for t in trajectories}
+        dropped = sorted(str(t.event_id) for slots in pending.groups.values() for t, _, _ in slots.values()
+                         if t.event_id not in kept)
+        closed = ClosedStep(self.next_step, trajectories, dropped, timed_out and len(complete) < self.groups_per_step,
+                            self.late)
+        del self.steps[self.next_step]
+        self.next_step += 1
+        self.late = 0
+        if self.next_step in self.steps:
+            self.steps[self.next_step].waiting_since = max(self.steps[self.next_step].waiting_since or now, now)
+        return closed
+
+    def pending_offsets(self) -> dict[Position, int]:
+        """Lowest offset per partition of an episode collected but not yet trained."""
+        lowest: dict[Position, int] = {}
+        for pending in self.steps.values():
+            for slots in pending.groups.values():
+                for _, position, offset in slots.values():
+                    lowest[position] = min(offset, lowest.get(position, offset))
+        return lowest
+
+
+class _PendingAwarePositions:
+    """Saves positions no further than the oldest pending episode of each partition."""
+
+    def __init__(self, inner: SqlOffsetStore, collector: StepCollector) -> None:
+        self.inner = inner
+        self.collector = collector
+
+    def load(self) -> dict[Position, LogPosition]:
+        return self.inner.load()
+
+    def save(self, positions: Mapping[Position, LogPosition]) -> None:
+        pending = self.collector.pending_offsets()
+        self.inner.save({
+            position: LogPosition(min(stored.next_offset, pending.get(position, stored.next_offset)), stored.log_id)
+            for position, stored in positions.items()
+        })
+
+
+def step_metrics(trajectories: list[TrajectoryCompleted], advantages: torch.Tensor, policy_version: int
+                 ) -> dict[str, float]:
+    """Per-subgroup success and advantage statistics and sample staleness, namespaced for logging."""
+    metrics: dict[str, float] = {}
+    for name, guided in (("guided", True), ("free", False)):
+        members = [i for i, t in enumerate(trajectories) if t.guided == guided]
+        metrics[f"rollout/episodes_{name}"] = float(len(members))
+        if members:
+            metrics[f"rollout/success_{name}"] = statistics.fmean(float(trajectories[i].success) for i in members)
+            values = advantages[members]
+            metrics[f"train/advantage_mean_{name}"] = float(values.mean())
+            metrics[f"train/advantage_abs_mean_{name}"] = float(values.abs().mean())
+    staleness = [policy_version - t.policy_version for t in trajectories]
+    metrics["train/staleness_mean"] = statistics.fmean(staleness)
+    metrics["train/staleness_max"] = float(max(staleness))
+    return metrics
+
+
+def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed: ClosedStep) -> TrainStepCompleted:
+    """One GRPO update on a closed step; returns the `TrainStepCompleted` that records it (not yet saved)."""
+    trajectories = closed.trajectories
+    advantages = actor_advantages(trajectories, settings)
+    started = time.perf_counter()
+    before = trainer.weight_hash
+    result = trainer.step(actor_samples(trajectories, advantages.tolist()), "grpo")
+    metrics = {
+        "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
+        "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,
+        "train/trained_tokens": float(result.trained_tokens), "train/sequences": float(result.sequences),
+        "train/lr": settings.lr, "train/threads": float(settings.threads),
+        "train/late_trajectories": float(closed.late), "train/seconds": time.perf_counter() - started,
+        "rollout/reward_mean": statistics.fmean(t.reward for t in trajectories),
+        **step_metrics(trajectories, advantages, trainer.current.version),
+    }
+    return trainer.train_step_event(
+        step=closed.step, batch_event_ids=tuple(str(t.event_id) for t in trajectories),
+        dropped_event_ids=tuple(closed.dropped_event_ids), timed_out=closed.timed_out,
+        weight_hash_before=before, weight_hash_after=trainer.weight_hash, loss=result.loss,
+        tokens=result.tokens, metrics=metrics, rewards=tuple(t.reward for t in trajectories),
+        advantages=tuple(advantages.tolist()),
+    )
+
+
+class ActorTrainer(Source):
+    name = "actor_trainer"
+    inputs = (TRAJECTORIES,)
+    consumption = "assign"
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.settings = context.settings.actor_trainer
+        self.kafka = context.settings.resolve_kafka()
+        self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
+                                     context.settings.resolved_run_id,
+                                     Producer(worker=self.name, instance=context.instance))
+        self.collector = StepCollector(
+            self.settings.group_size, self.settings.groups_per_step, self.settings.group_timeout_s,
+            next_step=max(self.settings.warmup_steps, self.trainer.current.step + 1 if self.trainer.current.version
+                          else 0),
+        )
+
+    @classmethod
+    def build(cls, context: WorkerContext) -> ActorTrainer:
+        return cls(context)
+
+    def offset_store(self, context: WorkerContext) -> OffsetStore:
+        return _PendingAwarePositions(context.sql_offset_store(self.name), self.collector)
+
+    def run(self, io: SourceIO) -> None:
+        for event in unpublished(self.trainer.current, self.kafka):
+            log.info("publishing %s of version %d (written before the last stop, not yet on the log)", event.kind,
+                     self.trainer.current.version)
+            io.publish(event)
+        io.commit()
+        while not io.stopping:
+            polled = False
+            for event, origin in io.poll():
+                polled = True
+                if isinstance(event, TrajectoryCompleted):
+                    self.collector.add(event, (origin.topic, origin.partition), origin.offset, time.monotonic())
+            while (closed := self.collector.close(time.monotonic())) is not None:
+                self.train(closed, io)
+            if polled:
+                io.commit()  # positions stop at the oldest episode not yet trained (`_PendingAwarePositions`)
+
+    def train(self, closed: ClosedStep, io: SourceIO) -> None:
+        if not closed.trajectories:
+            log.warning("step %d timed out with no complete group; %d episodes dropped, no update", closed.step,
+                        len(closed.dropped_event_ids))
+            return
+        event = actor_update(self.trainer, self.settings, closed)
+        version = self.trainer.save(event)
+        self.publish_version(version, io)
+        log.info("actor step %d -> version %d: loss %.5f, clip %.3f, %d tokens, success guided %.2f free %.2f",
+                 closed.step, version.version, event.loss, event.metrics["train/clip_fraction"], event.tokens,
+                 event.metrics.get("rollout/success_guided", float("nan")),
+                 event.metrics.get("rollout/success_free", float("nan")))
+
+    def publish_version(self, version, io: SourceIO) -> None:  # type: ignore[no-untyped-def]
+        for event in events_of(version):
+            io.publish(event)
+        io.commit()

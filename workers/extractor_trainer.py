@@ -1,0 +1,239 @@
+"""Extractor trainer: CISPO on extractor generations, rewarded by the episodes their experiences guided.
+
+    crl worker extractor_trainer --run-dir runs/demo
+
+Join: a guided train episode lists the experiences it was served with the generation that wrote each served version
+(`TrajectoryCompleted.retrieved[].generation_id`); it gives that generation +1 on success and -1 on failure. A
+generation that produced experiences (`ExtractionGenerated`, parse status ok) is a sample; its reward is the mean over
+the episodes it guided so far. A sample joins the buffer when it holds outcomes it has not been trained on; once the
+buffer holds `buffer_size` samples (paper 64) the oldest ones form a batch: `A_i = (r_i - mean r) * w_i`, with
+`w_i = (1 + train_count_i)^(-alpha)`, or 0 if trained less than `delta` steps ago (Eq. 7), and one CISPO step against
+the sampling log-probs recorded in the event. Checkpoint, then `PolicyPublished(extractor)` and `TrainStepCompleted`
+(with each sample's reward, advantage and outcome count, so `crl replay train` re-runs it exactly).
+
+Restart: the join state is rebuilt from the log. The worker keeps no positions: it re-reads `crl.extractions`,
+`crl.trajectories` and its own `TrainStepCompleted`s from offset 0 up to the high watermarks it saw at start, without
+training, and only then trains on new evidence. Which samples were trained, how often and on how many outcomes
+comes from those recorded steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from infra.admin import high_watermarks
+from infra.kafka import make_consumer
+from pipeline.launch import WorkerContext
+from pipeline.offsets import LogPosition
+from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
+from pipeline.rl.update import Sample
+from pipeline.runner import Source, SourceIO
+from pipeline.training import PolicyTrainer, checkpoints_root, events_of, unpublished
+from pipeline.transport import OffsetStore, Position
+from schemas.base import Producer
+from schemas.extractions import ExtractionGenerated
+from schemas.topics import EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Generation:
+    event: ExtractionGenerated
+    arrival: int
+    trainings: set[int] = field(default_factory=set)
+    """Extractor steps that trained on it."""
+    outcomes_trained: int = 0
+    """Outcomes its reward averaged when it was last trained."""
+
+
+@dataclass(frozen=True)
+class ExtractorBatch:
+    event_ids: tuple[str, ...]
+    samples: list[Sample]
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+    outcome_counts: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+class ExtractorJoin:
+    """Generations, the outcomes credited to them, and which were trained: all rebuilt from events."""
+
+    def __init__(self) -> None:
+        self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
+        self.by_generation_id: dict[str, str] = {}
+        self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
+        self.trained: dict[str, list[tuple[int, int]]] = {}  # event id -> [(step, outcomes)] seen before the event
+        self._arrivals = 0
+
+    def add_extraction(self, event: ExtractionGenerated) -> None:
+        if event.parse_status != "ok" or str(event.event_id) in self.generations:
+            return  # only generations that produced experiences are samples; re-deliveries count once
+        key = str(event.event_id)
+        self._arrivals += 1
+        generation = _Generation(event, self._arrivals)
+        self.generations[key] = generation
+        self.by_generation_id[event.generation_id] = key
+        for step, outcomes in self.trained.pop(key, []):
+            self._mark(generation, step, outcomes)
+
+    def add_trajectory(self, trajectory: TrajectoryCompleted) -> None:
+        if not trajectory.guided or trajectory.split != "train":
+            return  # evaluation episodes measure; they do not train
+        outcome = 1.0 if trajectory.success else -1.0
+        for generation_id in {ref.generation_id for ref in trajectory.retrieved}:
+            self.outcomes.setdefault(generation_id, {})[trajectory.trajectory_id] = outcome
+
+    def add_train_step(self, step: TrainStepCompleted) -> None:
+        if step.role != "extractor":
+            return
+        counts = step.outcome_counts or (0,) * len(step.batch_event_ids)
+        for event_id, outcomes in zip(step.batch_event_ids, counts, strict=True):
+            generation = self.generations.get(event_id)
+            if generation is None:
+                self.trained.setdefault(event_id, []).append((step.step, outcomes))
+            else:
+                self._mark(generation, step.step, outcomes)
+
+    @staticmethod
+    def _mark(generation: _Generation, step: int, outcomes: int) -> None:
+        if step not in generation.trainings:
+            generation.trainings.add(step)
+            generation.outcomes_trained = max(generation.outcomes_trained, outcomes)
+
+    def ready(self) -> list[str]:
+        """Samples with outcomes they were not trained on yet, oldest first."""
+        ready = [(g.arrival, key) for key, g in self.generations.items()
+                 if len(self.outcomes.get(g.event.generation_id, {})) > g.outcomes_trained]
+        return [key for _, key in sorted(ready)]
+
+    def batch(self, step: int, size: int, alpha: float, delta: int) -> ExtractorBatch | None:
+        """The next batch for extractor step `step`, or None while fewer than `size` samples are ready."""
+        ready = self.ready()
+        if len(ready) < size:
+            return None
+        chosen = sorted(ready[:size])  # the oldest `size`, in event-id order
+        generations = [self.generations[key] for key in chosen]
+        outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
+        rewards = torch.tensor([statistics.fmean(o.values()) for o in outcome_sets])
+        weights = training_count_weights(
+            torch.tensor([len(g.trainings) for g in generations]),
+            torch.tensor([step - max(g.trainings) if g.trainings else NEVER_TRAINED for g in generations]),
+            alpha, delta,
+        )
+        advantages = batch_mean_advantages(rewards) * weights
+        samples = [Sample(tuple(g.event.prompt_token_ids), tuple(g.event.response_token_ids),
+                          tuple(g.event.sampling_logprobs), float(a)) for g, a in zip(generations, advantages.tolist())]
+        return ExtractorBatch(tuple(chosen), samples, tuple(rewards.tolist()), tuple(advantages.tolist()),
+                              tuple(len(o) for o in outcome_sets), tuple(weights.tolist()))
+
+
+class _FromTheStart:
+    """No stored positions: the join state is rebuilt by reading every input from offset 0."""
+
+    def load(self) -> dict[Position, LogPosition]:
+        return {}
+
+    def save(self, positions: Mapping[Position, LogPosition]) -> None:
+        return None
+
+
+class ExtractorTrainer(Source):
+    name = "extractor_trainer"
+    inputs = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
+    consumption = "assign"
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.settings = context.settings.extractor_trainer
+        self.kafka = context.settings.resolve_kafka()
+        self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
+                                     context.settings.resolved_run_id,
+                                     Producer(worker=self.name, instance=context.instance))
+        self.join = ExtractorJoin()
+
+    @classmethod
+    def build(cls, context: WorkerContext) -> ExtractorTrainer:
+        return cls(context)
+
+    def offset_store(self, context: WorkerContext) -> OffsetStore:
+        return _FromTheStart()
+
+    def _ends(self) -> dict[Position, int]:
+        consumer = make_consumer(self.kafka, client_id=f"{self.name}-catch-up")
+        try:
+            return {(topic.name, p): end for topic in self.inputs
+                    for p, end in high_watermarks(consumer, topic.name, topic.partitions).items()}
+        finally:
+            consumer.close(autocommit=False)
+
+    def _consume(self, io: SourceIO) -> None:
+        for event, _origin in io.poll():
+            if isinstance(event, ExtractionGenerated):
+                self.join.add_extraction(event)
+            elif isinstance(event, TrajectoryCompleted):
+                self.join.add_trajectory(event)
+            elif isinstance(event, TrainStepCompleted):
+                self.join.add_train_step(event)
+
+    def run(self, io: SourceIO) -> None:
+        ends = self._ends()
+        started = time.monotonic()
+        while not io.stopping and any(io.positions().get(p, 0) < end for p, end in ends.items()):
+            self._consume(io)
+        log.info("extractor join rebuilt from the log in %.1fs: %d generations, %d credited, %d ready",
+                 time.monotonic() - started, len(self.join.generations), len(self.join.outcomes),
+                 len(self.join.ready()))
+        for event in unpublished(self.trainer.current, self.kafka):
+            log.info("publishing %s of version %d (written before the last stop, not yet on the log)", event.kind,
+                     self.trainer.current.version)
+            io.publish(event)
+        if self.trainer.current.train_step is not None:
+            self.join.add_train_step(self.trainer.current.train_step)
+        io.commit()
+        while not io.stopping:
+            self._consume(io)
+            while (batch := self.join.batch(self.trainer.current.version + 1, self.settings.buffer_size,
+                                            self.settings.count_alpha, self.settings.count_delta)) is not None:
+                self.train(batch, io)
+
+    def train(self, batch: ExtractorBatch, io: SourceIO) -> None:
+        step = self.trainer.current.version + 1
+        started = time.perf_counter()
+        before = self.trainer.weight_hash
+        result = self.trainer.step(batch.samples, "cispo")
+        metrics = {
+            "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
+            "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,
+            "train/trained_tokens": float(result.trained_tokens), "train/sequences": float(result.sequences),
+            "train/lr": self.settings.lr, "train/threads": float(self.settings.threads),
+            "train/seconds": time.perf_counter() - started,
+            "extractor/reward_mean": statistics.fmean(batch.rewards),
+            "extractor/outcomes_mean": statistics.fmean(batch.outcome_counts),
+            "extractor/weight_mean": statistics.fmean(batch.weights),
+            "extractor/retrained_fraction": statistics.fmean(
+                float(bool(self.join.generations[k].trainings)) for k in batch.event_ids),
+        }
+        event = self.trainer.train_step_event(
+            step=step, batch_event_ids=batch.event_ids, weight_hash_before=before,
+            weight_hash_after=self.trainer.weight_hash, loss=result.loss, tokens=result.tokens, metrics=metrics,
+            rewards=batch.rewards, advantages=batch.advantages, outcome_counts=batch.outcome_counts,
+        )
+        version = self.trainer.save(event)
+        self.join.add_train_step(event)
+        self.publish_version(version, io)
+        log.info("extractor step %d: loss %.5f, clip %.3f, reward mean %.3f over %d generations", step, result.loss,
+                 result.clip_fraction, metrics["extractor/reward_mean"], len(batch.event_ids))
+
+    def publish_version(self, version, io: SourceIO) -> None:  # type: ignore[no-untyped-def]
+        for event in events_of(version):
+            io.publish(event)
+        io.commit()
