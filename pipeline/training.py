@@ -107,12 +107,7 @@ class PolicyTrainer:
         self.run_id = run_id
         self.producer = producer
         deterministic_torch(settings.threads)
-        self.policy, self.current = self._open()
-        self.optimizer = make_optimizer(self.policy.model, settings.lr, settings.weight_decay,
-                                        tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
-        loaded = load_checkpoint(self.current.info.path, self.current.info.manifest_sha256)
-        if loaded.optimizer_tensors is not None:
-            load_optimizer_tensors(self.optimizer, loaded.optimizer_tensors, loaded.optimizer_param_groups or [])
+        self.policy, self.optimizer, self.current = self._open()
 
     # -- versions on disk -----------------------------------------------------------------------------------------
 
@@ -121,11 +116,18 @@ class PolicyTrainer:
             return []
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)))
 
-    def _open(self) -> tuple[TransformersPolicy, PolicyVersion]:
+    def _optimizer(self, policy: TransformersPolicy) -> torch.optim.Optimizer:
+        s = self.settings
+        return make_optimizer(policy.model, s.lr, s.weight_decay, tuple(s.adam_betas), s.adam_eps)  # type: ignore[arg-type]
+
+    def _open(self) -> tuple[TransformersPolicy, torch.optim.Optimizer, PolicyVersion]:
         versions = self.versions()
         if versions:
             path = version_dir(self.root, versions[-1])
             loaded = load_checkpoint(path)
+            optimizer = self._optimizer(loaded.policy)
+            if loaded.optimizer_tensors is not None:
+                load_optimizer_tensors(optimizer, loaded.optimizer_tensors, loaded.optimizer_param_groups or [])
             recorded = loaded.manifest["metadata"].get("trainer")
             if recorded is not None and recorded != self.settings.model_dump(mode="json"):
                 log.warning("%s trainer settings differ from those in %s; the checkpoint's weights are used, the new"
@@ -133,13 +135,12 @@ class PolicyTrainer:
             version = self._version_from(path, loaded.manifest)
             log.info("%s trainer resumes at version %d (step %d) from %s", self.role, version.version, version.step,
                      path)
-            return loaded.policy, version
+            return loaded.policy, optimizer, version
         policy = initial_policy(self.settings.model)
-        optimizer = make_optimizer(policy.model, self.settings.lr, self.settings.weight_decay,
-                                   tuple(self.settings.adam_betas), self.settings.adam_eps)  # type: ignore[arg-type]
+        optimizer = self._optimizer(policy)
         version = self._write(policy, optimizer, version=0, step=0, train_step=None)
         log.info("%s trainer created version 0 at %s", self.role, version.info.path)
-        return policy, version
+        return policy, optimizer, version
 
     def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer, *, version: int, step: int,
                train_step: TrainStepCompleted | None) -> PolicyVersion:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.state import BankState
-from pipeline.durable import fsync_directory, fsync_file
+from pipeline.durable import file_sha256, fsync_directory, fsync_file
 
 
 log = logging.getLogger(__name__)
@@ -47,14 +47,6 @@ def snapshots_root(run_dir: Path) -> Path:
     return run_dir / "bank" / "snapshots"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _fsync_tree(directory: Path) -> None:
     for path in sorted(directory.rglob("*")):
         if path.is_file():
@@ -76,7 +68,7 @@ def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: i
     if state.key_dim is not None:
         items = [(e.experience_id, e.task_family, e.key) for e in state.active()]
         ExperienceIndex.build(items, dim=state.key_dim, exact_threshold=exact_threshold).save(temporary / "index")
-    files = {str(path.relative_to(temporary)): _sha256(path)
+    files = {str(path.relative_to(temporary)): file_sha256(path)
              for path in sorted(temporary.rglob("*")) if path.is_file()}
     manifest = SnapshotManifest(
         next_offset=state.next_offset,
@@ -150,7 +142,7 @@ def read_snapshot(path: Path) -> tuple[BankState, SnapshotManifest]:
     manifest = read_manifest(path)
     for relative, expected in manifest.files.items():
         file = path / relative
-        if not file.is_file() or _sha256(file) != expected:
+        if not file.is_file() or file_sha256(file) != expected:
             raise SnapshotError(f"{path}: {relative} is missing or does not match its sha256")
     try:
         state = BankState.from_snapshot(json.loads((path / "state.json").read_text()))

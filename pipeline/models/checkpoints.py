@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pipeline.durable import file_sha256, fsync_directory, fsync_file
 from pipeline.errors import CheckpointError
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
 
@@ -76,20 +77,12 @@ def weight_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def manifest_sha256(directory: Path) -> str:
     """sha256 of the checkpoint's `manifest.json` bytes: the checkpoint's identity."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
-    return _file_sha256(path)
+    return file_sha256(path)
 
 
 def _manifest_bytes(manifest: dict) -> bytes:
@@ -179,14 +172,6 @@ def _untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return kept
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def save_checkpoint(
     directory: Path,
     policy: TransformersPolicy,
@@ -215,7 +200,7 @@ def save_checkpoint(
         hashed = weight_hash(policy.model)
         manifest = {
             "format": FORMAT,
-            "files": {path.name: _file_sha256(path) for path in sorted(staging.iterdir())},
+            "files": {path.name: file_sha256(path) for path in sorted(staging.iterdir())},
             "weight_hash": hashed,
             "metadata": metadata or {},
             "optimizer_param_groups": param_groups,
@@ -226,8 +211,8 @@ def save_checkpoint(
             raise ValueError(f"checkpoint metadata and optimizer param groups must be JSON-able: {exc}") from exc
         (staging / MANIFEST).write_bytes(manifest_bytes)
         for path in staging.iterdir():
-            _fsync(path)
-        _fsync(staging)
+            fsync_file(path)
+        fsync_directory(staging)
         info = CheckpointInfo(directory, hashlib.sha256(manifest_bytes).hexdigest(), hashed)
         if directory.exists():
             return _existing(directory, info)
@@ -237,7 +222,7 @@ def save_checkpoint(
             if directory.exists():  # another writer got there first
                 return _existing(directory, info)
             raise
-        _fsync(directory.parent)
+        fsync_directory(directory.parent)
         return info
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -271,7 +256,7 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest (sha256 {recorded}) but missing")
-        if (found := _file_sha256(path)) != recorded:
+        if (found := file_sha256(path)) != recorded:
             raise CheckpointError(f"{path}: sha256 {found}, manifest says {recorded}")
     for required in (MODEL_FILE, CONFIG_FILE):
         if required not in manifest["files"]:
