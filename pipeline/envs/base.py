@@ -1,0 +1,171 @@
+"""The one text protocol every environment speaks, and what is shared by all adapters: turn limits, action parsing
+and the rule for invalid actions.
+
+    env = make_env("MiniHack-Room-Random-5x5-v0", EnvSettings())
+    goal, observation = env.reset(seed=7)
+    outcome = env.step("Action: east")      # StepOutcome(observation, reward, done, info)
+    outcome.info.valid, outcome.info.available_actions, outcome.info.success
+    print(env.render())
+
+Rewards are outcome rewards as in the paper: `success_reward` (1) on the turn that solves the task, `failure_reward`
+(0; ALFWorld -1) on the turn that ends an episode unsolved, 0 on every other turn. An episode ends when the task is
+solved or lost, when the environment's own step limit ends it (a truncation), or after `max_turns` turns (a
+truncation). Each adapter implements `_reset`, `_act`, `render` and its action list; this base class does the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.errors import ConfigError
+
+InvalidActionRule = Literal["skip", "end"]
+"""What happens when a response names no available action: `skip` — the turn is used up, the environment is not
+stepped, and the next observation says the action was invalid; `end` — the episode ends as a failure."""
+
+
+class EnvUnavailableError(ConfigError):
+    """An environment's package, data or service is missing here; the message names what and how to get it."""
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What `step` reports besides observation, reward and done."""
+
+    valid: bool
+    """Whether the response named an available action (only valid actions reach the environment)."""
+    action: str
+    """The action taken, in its canonical spelling ('' when invalid)."""
+    available_actions: tuple[str, ...]
+    """Actions the agent may take next."""
+    success: bool
+    """True once the task is solved (read from the environment)."""
+    truncated: bool
+    """True when a step or turn limit ended the episode unsolved."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    observation: str
+    reward: float
+    done: bool
+    info: StepInfo
+
+
+@dataclass(frozen=True)
+class ActResult:
+    """What an adapter's `_act` reports for one valid action."""
+
+    observation: str
+    solved: bool
+    lost: bool = False
+    """The episode ended unsolved by the environment's own rule (death, its own step limit)."""
+    env_truncated: bool = False
+    """The environment's own step limit ended it (recorded as a truncation)."""
+
+
+_WORD = re.compile(r"[a-z]+")
+
+
+def parse_action(response: str, actions: tuple[str, ...]) -> str | None:
+    """The first available action named in the first non-empty line of `response` (case-insensitive, whole words;
+    an optional leading 'Action:' is ignored), or None. Multi-word actions must appear as written."""
+    line = next((part.strip() for part in response.splitlines() if part.strip()), "")
+    line = re.sub(r"^\s*action\s*:\s*", "", line, flags=re.IGNORECASE).strip().lower()
+    if not line:
+        return None
+    by_lower = {action.lower(): action for action in actions}
+    if line in by_lower:
+        return by_lower[line]
+    single = {a for a in by_lower if " " not in a and "[" not in a}
+    for word in _WORD.findall(line):
+        if word in single:
+            return by_lower[word]
+    # Text actions (ALFWorld commands, WebShop clicks): the longest one the line starts with.
+    for candidate in sorted(by_lower, key=len, reverse=True):
+        if line.startswith(candidate):
+            return by_lower[candidate]
+    return None
+
+
+class TextEnv(ABC):
+    """One environment behind the text protocol. Not thread-safe: one episode at a time per instance."""
+
+    env_id: str
+    task_family: str
+
+    def __init__(self, *, max_turns: int, invalid_action: InvalidActionRule = "skip",
+                 success_reward: float = 1.0, failure_reward: float = 0.0) -> None:
+        if max_turns <= 0:
+            raise ConfigError(f"max_turns must be positive, got {max_turns}")
+        if invalid_action not in ("skip", "end"):
+            raise ConfigError(f"unknown invalid-action rule {invalid_action!r}; valid values: skip, end")
+        self.max_turns = max_turns
+        self.invalid_action = invalid_action
+        self.success_reward = success_reward
+        self.failure_reward = failure_reward
+        self.turns = 0
+        self.done = True
+        self.goal = ""
+        self.observation = ""
+
+    # -- what an adapter implements ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _reset(self, seed: int) -> tuple[str, str]:
+        """Start the task of `seed` (same seed, same task); return (goal, first observation)."""
+
+    @abstractmethod
+    def _act(self, action: str) -> ActResult:
+        """Apply one available action."""
+
+    @abstractmethod
+    def available_actions(self) -> tuple[str, ...]:
+        """Actions the agent may take now, in their canonical spelling."""
+
+    @abstractmethod
+    def render(self) -> str:
+        """The current state for a person to read."""
+
+    def close(self) -> None:
+        """Release the underlying environment."""
+
+    # -- the protocol -----------------------------------------------------------------------------------------------
+
+    def reset(self, seed: int) -> tuple[str, str]:
+        if seed < 0:
+            raise ValueError(f"seeds are non-negative, got {seed}")
+        self.goal, self.observation = self._reset(seed)
+        self.turns = 0
+        self.done = False
+        return self.goal, self.observation
+
+    def step(self, action_text: str) -> StepOutcome:
+        if self.done:
+            raise RuntimeError(f"{self.env_id}: step() after the episode ended; call reset() first")
+        self.turns += 1
+        out_of_turns = self.turns >= self.max_turns
+        action = parse_action(action_text, self.available_actions())
+        if action is None:
+            lost = self.invalid_action == "end"
+            self.done = lost or out_of_turns
+            shown = action_text.strip().splitlines()[0][:60] if action_text.strip() else ""
+            self.observation = f"Invalid action {shown!r}. Valid actions: {', '.join(self.available_actions())}.\n" + \
+                self._strip_invalid_note(self.observation)
+            return StepOutcome(self.observation, self.failure_reward if self.done else 0.0, self.done,
+                               StepInfo(False, "", self.available_actions(), False, self.done and not lost))
+        result = self._act(action)
+        self.observation = result.observation
+        solved = result.solved
+        self.done = solved or result.lost or out_of_turns
+        reward = self.success_reward if solved else self.failure_reward if self.done else 0.0
+        truncated = self.done and not solved and (result.env_truncated or (out_of_turns and not result.lost))
+        return StepOutcome(self.observation, reward, self.done,
+                           StepInfo(True, action, self.available_actions(), solved, truncated))
+
+    @staticmethod
+    def _strip_invalid_note(observation: str) -> str:
+        return observation.split("\n", 1)[1] if observation.startswith("Invalid action ") else observation
