@@ -111,3 +111,14 @@ class SqlOffsetStore:
             f"worker {self.worker!r}, topic {topic!r} partition {partition}: stored next offset is {stored}, "
             f"refusing to move it backwards to {next_offset}"
         )
+
+
+class FromTheStart:
+    """An offset store that keeps nothing: a worker whose state is a projection it rebuilds at every start (the
+    extractor trainer's join, the scheduler's view of the run) reads its inputs from offset 0 each time."""
+
+    def load(self) -> dict[TopicPartition, LogPosition]:
+        return {}
+
+    def save(self, positions: Mapping[TopicPartition, LogPosition]) -> None:
+        return None

@@ -115,6 +115,12 @@ class Source(ABC):
     def run(self, io: SourceIO) -> None:
         """Produce events with `io.publish` until done or until `io.stopping`."""
 
+    def committable(self, positions: dict[Position, int]) -> dict[Position, int]:
+        """The positions that may be committed, given the next offset polled per partition. A source that works on
+        polled events across several commits (a rollout worker's episodes in flight) holds its positions back to
+        the oldest unfinished one, so a restart re-reads exactly what was not finished."""
+        return positions
+
     def close(self) -> None:
         """Release resources after the final flush."""
 
@@ -370,7 +376,10 @@ class WorkerRunner:
             for position in [p for p in self.positions if not self.input_log.owns(p)]:
                 log.info("not committing %s[%d]: the partition was revoked", *position)
                 del self.positions[position]
-            self._commit_with_retries(dict(self.positions))
+            positions = dict(self.positions)
+            if isinstance(self.worker, Source):
+                positions = self.worker.committable(positions)
+            self._commit_with_retries(positions)
         self.metrics.commits += 1
         self._uncommitted = False
 
@@ -448,6 +457,10 @@ class SourceIO:
             runner._uncommitted = True
             if event is not None:
                 yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
+
+    def owns(self, position: Position) -> bool:
+        """Whether this worker still owns `position` (a group rebalance may have moved it to another member)."""
+        return self._runner.input_log is not None and self._runner.input_log.owns(position)
 
     def positions(self) -> dict[tuple[str, int], int]:
         """Next offset per input partition polled so far (poison records included: they were dead-lettered)."""

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from pipeline.audit import Audit
-from pipeline.models.checkpoints import load_checkpoint, load_optimizer_tensors, weight_hash
+from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, load_optimizer_tensors, weight_hash
 from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step
 from pipeline.settings import ActorTrainerSettings, ExtractorTrainerSettings, TrainerSettings
 from pipeline.training import actor_advantages, actor_samples
@@ -63,11 +62,6 @@ def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
         yield decode(topic, payload.encode())
 
 
-def _path(uri: str) -> Path:
-    parsed = urlparse(uri)
-    return Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(uri)
-
-
 def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None) -> TrainingReplay:
     """Replay `role`'s recorded steps; stop at the first mismatch."""
     report = TrainingReplay(role)
@@ -85,7 +79,7 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
     if 0 not in policies:
         report.problem = f"no PolicyPublished(role={role}, version=0) in the archive of {run_dir}"
         return report
-    initial = load_checkpoint(_path(policies[0].checkpoint_uri), policies[0].sha256)
+    initial = load_checkpoint(checkpoint_path(policies[0].checkpoint_uri), policies[0].sha256)
     settings_type = ActorTrainerSettings if role == "actor" else ExtractorTrainerSettings
     settings: TrainerSettings = settings_type.model_validate(initial.manifest["metadata"]["trainer"])
     deterministic_torch(settings.threads)

@@ -37,6 +37,10 @@ class RunFinished(Event):
     status: Literal["completed", "stopped", "failed"] = Field(description="How the run ended.")
     steps_completed: NonNegativeInt = Field(description="Training steps scheduled and completed.")
     reason: str | None = Field(default=None, description="Why it stopped or failed; None when completed.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The run's rollout totals and its last evaluation (success, actions per solved, invalid rate; "
+        "per environment and subgroup), namespaced train/... and eval/...")
 
 
 class MergeRequested(Event):

@@ -9,8 +9,12 @@ from workers.actor_trainer import ActorTrainer
 from workers.archiver import Archiver
 from workers.bank import BankProjection
 from workers.extractor_trainer import ExtractorTrainer
+from workers.rollout import Rollout
+from workers.scheduler import Scheduler
 
 WORKERS: dict[str, WorkerClass] = {
+    Scheduler.name: Scheduler,
+    Rollout.name: Rollout,
     Archiver.name: Archiver,
     BankProjection.name: BankProjection,
     ActorTrainer.name: ActorTrainer,

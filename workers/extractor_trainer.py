@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from infra.admin import high_watermarks
 from infra.kafka import make_consumer
 from pipeline.launch import WorkerContext
-from pipeline.offsets import LogPosition
+from pipeline.offsets import FromTheStart
 from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
 from pipeline.rl.update import Sample
 from pipeline.runner import Source, SourceIO
@@ -137,16 +136,6 @@ class ExtractorJoin:
                               tuple(len(o) for o in outcome_sets), tuple(weights.tolist()))
 
 
-class _FromTheStart:
-    """No stored positions: the join state is rebuilt by reading every input from offset 0."""
-
-    def load(self) -> dict[Position, LogPosition]:
-        return {}
-
-    def save(self, positions: Mapping[Position, LogPosition]) -> None:
-        return None
-
-
 class ExtractorTrainer(Source):
     name = "extractor_trainer"
     inputs = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
@@ -165,7 +154,7 @@ class ExtractorTrainer(Source):
         return cls(context)
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
-        return _FromTheStart()
+        return FromTheStart()  # the join state is rebuilt by reading every input from offset 0
 
     def _ends(self) -> dict[Position, int]:
         consumer = make_consumer(self.kafka, client_id=f"{self.name}-catch-up")

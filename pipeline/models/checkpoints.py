@@ -28,6 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import torch
 
@@ -236,6 +238,16 @@ def _existing(directory: Path, info: CheckpointInfo) -> CheckpointInfo:
         raise CheckpointError(f"{directory} already holds a different checkpoint: manifest sha256 {existing}, "
                               f"this one {info.manifest_sha256}")
     return info
+
+
+def checkpoint_path(uri: str) -> Path:
+    """The local directory of a `checkpoint_uri` (file:// URI or plain path)."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(url2pathname(parsed.path))
+    if parsed.scheme in ("", None):
+        return Path(uri)
+    raise CheckpointError(f"checkpoint uri {uri!r}: only local files (file:// or a path) are supported")
 
 
 def load_checkpoint(directory: Path, expected_sha256: str | None = None, device: str = "cpu") -> LoadedCheckpoint:

@@ -1,0 +1,112 @@
+"""Following `crl.policy`: which policy versions exist, for workers that play a policy (rollout, extractor).
+
+    follower = PolicyFollower(kafka_settings, "actor").start()
+    newest = follower.newest()                 # PolicyPublished | None
+    policy = load_published(newest, "transformers", device="cpu")   # sha256 checked before use
+
+Every instance reads the whole (one-partition) topic from offset 0 in a background thread, in assign mode: a
+consumer group would spread the one partition over the instances, and each of them needs every version. Loading
+verifies the checkpoint's manifest sha256 against the event and every file's sha256 against the manifest
+(`load_checkpoint`); a mismatch raises `CheckpointError` and the worker keeps the version it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kafka import TopicPartition
+
+from infra.kafka import KafkaSettings, make_consumer
+from pipeline.errors import CheckpointError
+from pipeline.models.base import PolicyModel
+from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
+from schemas.base import Role
+from schemas.codec import EventDecodeError, decode
+from schemas.topics import POLICY
+from schemas.training import PolicyPublished
+
+log = logging.getLogger(__name__)
+
+
+def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
+                   micro_batch_size: int = 8, seed: int = 0) -> PolicyModel:
+    """The policy of `event`, after its checkpoint's sha256 checks out."""
+    path = checkpoint_path(event.checkpoint_uri)
+    if backend == "transformers":
+        policy = load_checkpoint(path, expected_sha256=event.sha256, device=device).policy
+        policy.micro_batch_size = micro_batch_size
+        return policy
+    if backend == "vllm":
+        from pipeline.models.vllm_backend import VllmPolicy
+
+        if (actual := manifest_sha256(path)) != event.sha256:
+            raise CheckpointError(f"{path}: manifest sha256 {actual}, the event says {event.sha256}")
+        return VllmPolicy(str(path), seed=seed)
+    raise ValueError(f"unknown backend {backend!r}; valid values: transformers, vllm")
+
+
+class PolicyFollower:
+    """Tails `crl.policy` and keeps the newest `PolicyPublished` of one role."""
+
+    def __init__(self, kafka: KafkaSettings, role: Role, client_id: str = "crl-policy-follower") -> None:
+        self.kafka = kafka
+        self.role = role
+        self.client_id = client_id
+        self._newest: PolicyPublished | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    def start(self) -> PolicyFollower:
+        self._thread = threading.Thread(target=self._tail, name=f"policy-follower-{self.role}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def newest(self) -> PolicyPublished | None:
+        if self.failure is not None:
+            raise RuntimeError(f"the policy follower stopped: {self.failure}") from self.failure
+        with self._lock:
+            return self._newest
+
+    def wait_for(self, version: int, timeout_s: float) -> PolicyPublished | None:
+        """The newest event once its version is at least `version`, or None after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._newest is None or self._newest.version < version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.failure is not None:
+                    return None
+                self._changed.wait(min(remaining, 0.2))
+            return self._newest
+
+    def _tail(self) -> None:
+        partition = TopicPartition(POLICY.name, 0)
+        consumer = make_consumer(self.kafka, client_id=self.client_id)
+        try:
+            consumer.assign([partition])
+            consumer.seek_to_beginning(partition)
+            while not self._stop.is_set():
+                for record in consumer.poll(timeout_ms=200).get(partition, []):
+                    try:
+                        event = decode(POLICY, record.value)
+                    except EventDecodeError:
+                        continue  # dead-lettered by whoever consumes crl.policy in a runner
+                    if isinstance(event, PolicyPublished) and event.role == self.role:
+                        with self._changed:
+                            if self._newest is None or event.version > self._newest.version:
+                                self._newest = event
+                                self._changed.notify_all()
+        except BaseException as exc:  # surfaced through newest(), never lost in a daemon thread
+            self.failure = exc
+            log.exception("policy follower stopped")
+        finally:
+            consumer.close(autocommit=False)

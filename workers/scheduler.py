@@ -1,0 +1,263 @@
+"""Scheduler: the run's clock. It announces the run, issues each step's GRPO groups, requests merges, schedules
+evaluation, and closes the run.
+
+    crl worker scheduler --run-dir runs/demo        # CRL_CONFIG=configs/tiny-minihack-room.yaml for a run config
+
+In order:
+1. `RunStarted` with the resolved settings and the code version.
+2. Per step s (0 .. steps-1): `groups_per_step` task groups drawn from the mixture (`draw_tasks`), each `group_size`
+   `EpisodeAssigned` slots sharing the task's seed; the first half of a group is guided after the warm-up steps, none
+   is during warm-up or in the `grpo` arm. Before issuing step s it waits until
+   - the actor has published version `s - warmup - staleness` (the staleness bound; `exp_only` never waits), and
+   - every train episode of step `s - 1 - max_steps_ahead` has finished (bounds the queue).
+   Every `merge_every` steps it publishes `MergeRequested` first; every `eval_every` steps (and after the last) it
+   adds evaluation groups on the fixed eval pool: one guided and one free slot per task (`grpo`: one free).
+3. `RunFinished` once every scheduled episode has a `TrajectoryCompleted`, with the run's rollout metrics; or early
+   (status `stopped`) on `StopRequested`.
+
+Restart: every event it publishes has an id derived from (run, what, step, group, slot) and every draw is a pure
+function of the settings and the step, so a restarted scheduler reads what is already on `crl.runs`, `crl.tasks` and
+`crl.control`, publishes only what is missing — the same events — and carries on: no step is issued twice or skipped.
+Its view of policies and finished episodes is rebuilt by reading `crl.policy` and `crl.trajectories` from offset 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pipeline.envs.registry import draw_tasks, env_spec, task_pool
+from pipeline.episode_metrics import episode_metrics, summary_line
+from pipeline.launch import WorkerContext
+from pipeline.offsets import FromTheStart
+from pipeline.provenance import code_version, resolved_config
+from pipeline.runner import Source, SourceIO
+from pipeline.settings import Settings
+from pipeline.training import read_to_end
+from pipeline.transport import OffsetStore
+from schemas.base import Event, Producer
+from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
+from schemas.tasks import EpisodeAssigned
+from schemas.topics import CONTROL, POLICY, RUNS, TASKS, TRAJECTORIES
+from schemas.training import PolicyPublished
+from schemas.trajectories import TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+_NAMESPACE = uuid.UUID("9b1f3c52-6f0e-4d8b-a7f4-2c61e0d4b9a3")
+EVAL_GROUP_SIZE = 2
+"""Evaluation plays each eval task twice: slot 0 guided, slot 1 free (the `grpo` arm: one free slot)."""
+
+
+def scheduled_id(run_id: str, *parts: object) -> uuid.UUID:
+    """The deterministic event id of something the scheduler publishes."""
+    return uuid.uuid5(_NAMESPACE, "/".join([run_id, *map(str, parts)]))
+
+
+def required_version(settings: Settings, step: int) -> int:
+    """Oldest actor version allowed to play `step`: every trainable step before it, less the staleness bound."""
+    if settings.scheduler.arm == "exp_only":
+        return 0  # the actor is frozen: version 0 plays every step
+    return max(0, step - settings.actor_trainer.warmup_steps - settings.scheduler.staleness)
+
+
+def guided_slots(settings: Settings, step: int, group_size: int) -> int:
+    if settings.scheduler.arm == "grpo" or step < settings.actor_trainer.warmup_steps:
+        return 0
+    return group_size // 2
+
+
+def eval_due(settings: Settings, step: int) -> bool:
+    every = settings.scheduler.eval_every
+    return every > 0 and (step % every == 0 or step == settings.scheduler.steps - 1)
+
+
+def merge_due(settings: Settings, step: int) -> bool:
+    """Whether `MergeRequested` (for the steps before) precedes step `step`."""
+    every = settings.scheduler.merge_every
+    return every > 0 and settings.scheduler.arm != "grpo" and step > 0 and step % every == 0
+
+
+def train_assignments(settings: Settings, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
+    """The train slots of `step`, in publishing order (group, slot)."""
+    k = settings.actor_trainer.group_size
+    guided = guided_slots(settings, step, k)
+    version = required_version(settings, step)
+    episodes = []
+    for g, (entry, seed) in enumerate(draw_tasks(settings.scheduler, step, settings.actor_trainer.groups_per_step)):
+        spec = env_spec(entry.env_id)
+        group_id = f"s{step:06d}-g{g:03d}"
+        for slot in range(k):
+            episodes.append(EpisodeAssigned(
+                event_id=scheduled_id(run_id, "train", step, g, slot), run_id=run_id, producer=producer, step=step,
+                split="train", env_id=entry.env_id, task_family=spec.task_family, seed=seed, group_id=group_id,
+                slot=slot, group_size=k, guided=slot < guided, policy_version=version,
+                max_turns=entry.max_turns or spec.max_turns))
+    return episodes
+
+
+def eval_assignments(settings: Settings, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
+    """Evaluation slots after `step`: every task of every environment's eval pool, guided and free."""
+    size = 1 if settings.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
+    version = required_version(settings, step)
+    episodes = []
+    for entry in settings.scheduler.tasks:
+        spec = env_spec(entry.env_id)
+        pool = task_pool(entry.env_id, "eval", settings.scheduler.eval_tasks_per_env, settings.scheduler.seed)
+        for t, seed in enumerate(pool):
+            group_id = f"eval-s{step:06d}-{entry.env_id}-t{t:03d}"
+            for slot in range(size):
+                episodes.append(EpisodeAssigned(
+                    event_id=scheduled_id(run_id, "eval", step, entry.env_id, t, slot), run_id=run_id,
+                    producer=producer, step=step, split="eval", env_id=entry.env_id, task_family=spec.task_family,
+                    seed=seed, group_id=group_id, slot=slot, group_size=size, guided=size > 1 and slot == 0,
+                    policy_version=version, max_turns=entry.max_turns or spec.max_turns))
+    return episodes
+
+
+@dataclass
+class _StepRecord:
+    train_ids: set[uuid.UUID] = field(default_factory=set)
+    eval_ids: set[uuid.UUID] = field(default_factory=set)
+    reported: bool = False
+    eval_reported: bool = False
+
+
+class Scheduler(Source):
+    name = "scheduler"
+    inputs = (POLICY, TRAJECTORIES, CONTROL)
+    consumption = "assign"
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.settings = context.settings
+        self.kafka = context.settings.resolve_kafka()
+        self.run_id = context.settings.resolved_run_id
+        self.producer = Producer(worker=self.name, instance=context.instance)
+        self.actor_version = -1
+        self.finished: dict[uuid.UUID, TrajectoryCompleted] = {}
+        self.steps: dict[int, _StepRecord] = {}
+        self.stop_request: StopRequested | None = None
+        self.last_eval: dict[str, float] = {}
+        self._last_wait_log = 0.0
+
+    @classmethod
+    def build(cls, context: WorkerContext) -> Scheduler:
+        return cls(context)
+
+    def offset_store(self, context: WorkerContext) -> OffsetStore:
+        return FromTheStart()
+
+    # -- the schedule ---------------------------------------------------------------------------------------------
+
+    def run(self, io: SourceIO) -> None:
+        on_log = {e.event_id for topic in (RUNS, TASKS, CONTROL) for e in read_to_end(self.kafka, topic)
+                  if e.run_id == self.run_id}
+        finished_id = scheduled_id(self.run_id, "finished")
+        if finished_id in on_log:
+            log.info("run %s already finished; nothing to schedule", self.run_id)
+            return
+        started = RunStarted(event_id=scheduled_id(self.run_id, "started"), run_id=self.run_id,
+                             producer=self.producer, config=resolved_config(self.settings),
+                             code_version=code_version())
+        self._publish_missing(io, [started], on_log)
+        total = self.settings.scheduler.steps
+        for step in range(total):
+            train = train_assignments(self.settings, self.run_id, self.producer, step)
+            evaluation = eval_assignments(self.settings, self.run_id, self.producer, step) \
+                if eval_due(self.settings, step) else []
+            record = self.steps.setdefault(step, _StepRecord())
+            record.train_ids = {e.event_id for e in train}
+            record.eval_ids = {e.event_id for e in evaluation}
+            merge = [MergeRequested(
+                event_id=scheduled_id(self.run_id, "merge", step - 1), run_id=self.run_id, producer=self.producer,
+                merge_id=f"{self.run_id}-merge-{step - 1:06d}", step=step - 1,
+                task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.scheduler.tasks})),
+            )] if merge_due(self.settings, step) else []
+            planned = merge + train + evaluation
+            if all(e.event_id in on_log for e in planned):
+                continue  # issued before a restart
+            if not self._wait(io, lambda step=step: self._ready(step), f"step {step}"):
+                return self._finish(io, "stopped", step)
+            self._publish_missing(io, planned, on_log)
+            log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s", step,
+                     len(train), sum(e.guided for e in train), len(evaluation), required_version(self.settings, step),
+                     ", merge requested" if merge else "")
+        if not self._wait(io, self._all_finished, "the last episodes"):
+            return self._finish(io, "stopped", total)
+        self._finish(io, "completed", total)
+
+    def _ready(self, step: int) -> bool:
+        needed = required_version(self.settings, step)
+        if needed > 0 and self.actor_version < needed:
+            return False
+        earlier = step - 1 - self.settings.scheduler.max_steps_ahead
+        return earlier < 0 or self._done(self.steps[earlier].train_ids)
+
+    def _all_finished(self) -> bool:
+        return all(self._done(r.train_ids | r.eval_ids) for r in self.steps.values())
+
+    def _done(self, ids: set[uuid.UUID]) -> bool:
+        return all(i in self.finished for i in ids)
+
+    def _wait(self, io: SourceIO, condition, what: str) -> bool:  # type: ignore[no-untyped-def]
+        """Poll the inputs until `condition()` holds; False if a stop came first (StopRequested or a signal)."""
+        while True:
+            self._poll(io)
+            if self.stop_request is not None or io.stopping:
+                return False
+            if condition():
+                return True
+            now = time.monotonic()
+            if now - self._last_wait_log > 30:
+                self._last_wait_log = now
+                log.info("waiting for %s: actor version %d, %d episodes finished", what, self.actor_version,
+                         len(self.finished))
+
+    def _poll(self, io: SourceIO) -> None:
+        for event, _origin in io.poll():
+            if event.run_id != self.run_id:
+                continue
+            if isinstance(event, PolicyPublished) and event.role == "actor":
+                self.actor_version = max(self.actor_version, event.version)
+            elif isinstance(event, TrajectoryCompleted):
+                self.finished.setdefault(uuid.UUID(event.assignment_event_id), event)
+            elif isinstance(event, StopRequested):
+                self.stop_request = event
+        self._report()
+
+    def _report(self) -> None:
+        for step, record in sorted(self.steps.items()):
+            if not record.reported and record.train_ids and self._done(record.train_ids):
+                record.reported = True
+                metrics = episode_metrics([self.finished[i] for i in record.train_ids], "train")
+                log.info("step %d train episodes: %s", step, summary_line(metrics, "train"))
+            if not record.eval_reported and record.eval_ids and self._done(record.eval_ids):
+                record.eval_reported = True
+                self.last_eval = episode_metrics([self.finished[i] for i in record.eval_ids], "eval")
+                log.info("step %d evaluation: %s", step, summary_line(self.last_eval, "eval"))
+
+    def _publish_missing(self, io: SourceIO, events: list[Event], on_log: set[uuid.UUID]) -> None:
+        for event in events:
+            if event.event_id not in on_log:
+                io.publish(event)
+                on_log.add(event.event_id)
+        io.commit()
+
+    def _finish(self, io: SourceIO, status: str, steps_completed: int) -> None:
+        train = [t for t in self.finished.values() if t.split == "train"]
+        metrics = {**episode_metrics(train, "train"), **self.last_eval}
+        reason = None
+        if status == "stopped":
+            reason = self.stop_request.reason if self.stop_request is not None else "the scheduler was stopped"
+            if self.stop_request is None:
+                # A signal stops this process, not the run: a restart carries on with the same schedule.
+                log.info("scheduler stopping before step %d; restart it to continue the run", steps_completed)
+                return
+        io.publish(RunFinished(event_id=scheduled_id(self.run_id, "finished"), run_id=self.run_id,
+                               producer=self.producer, status=status, steps_completed=steps_completed,
+                               reason=reason, metrics=metrics))
+        io.commit()
+        log.info("run %s %s after %d steps: %s", self.run_id, status, steps_completed,
+                 summary_line(metrics, "train"))
