@@ -42,11 +42,15 @@ audit_app = typer.Typer(help="Read-only DuckDB over a run's Parquet archive.", n
 replay_app = typer.Typer(help="Rebuild projections from the log and compare them with the live ones.",
                          no_args_is_help=True)
 bank_app = typer.Typer(help="Inspect a run's experience bank.", no_args_is_help=True)
+config_app = typer.Typer(help="Run configs: YAML files with the structure of the settings.", no_args_is_help=True)
+envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 app.add_typer(replay_app, name="replay")
 app.add_typer(bank_app, name="bank")
 app.add_typer(stack_app, name="stack")
 app.add_typer(audit_app, name="audit")
+app.add_typer(config_app, name="config")
+app.add_typer(envs_app, name="envs")
 
 RunDirOption = Annotated[
     Path | None, typer.Option("--run-dir", help="Run directory (default: CRL_RUN_DIR or runs/default).")
@@ -104,6 +108,8 @@ class LogLevel(str, Enum):
 def _load(
     log_level: Annotated[LogLevel, typer.Option(help="Console logging level (worker log files always get info).")]
     = LogLevel.warning,
+    config: Annotated[Path | None, typer.Option(
+        help="Run config (YAML); same as CRL_CONFIG. CRL_* variables override it.")] = None,
 ) -> None:
     """Read settings from CRL_* environment variables (validated field by field)."""
     # Nothing may reach a model hub at run time; set before any Hugging Face library is imported.
@@ -112,7 +118,10 @@ def _load(
     _State.log_level = log_level.value
     _configure_logging(log_level.value)
     try:
-        _State.settings = Settings()
+        _State.settings = Settings(config=config) if config is not None else Settings()
+    except ConfigError as exc:
+        errors.print(f"[red]invalid settings:[/red] {exc}")
+        raise typer.Exit(2) from exc
     except ValidationError as exc:
         errors.print("[red]invalid settings:[/red]")
         for item in exc.errors(include_url=False):
@@ -610,6 +619,92 @@ def bank_show(
                       version["generation_id"], str(version["extractor_version"]),
                       ", ".join(version["source_trajectory_ids"]), version["text"])
     console.print(table)
+
+
+# -- config and envs ------------------------------------------------------------------------------------------------
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Path | None, typer.Argument(help="Run config; default: --config / CRL_CONFIG.")] = None,
+) -> None:
+    """Print the resolved settings (the file, CRL_* overrides, defaults) as YAML, passwords masked."""
+    import yaml
+
+    from pipeline.provenance import resolved_config
+
+    settings = _settings() if config is None else _config_settings(config)
+    console.print(yaml.safe_dump(resolved_config(settings), sort_keys=False), end="", markup=False, highlight=False)
+
+
+@config_app.command("check")
+def config_check(configs: Annotated[list[Path], typer.Argument(help="Run config files.")]) -> None:
+    """Validate run configs; exit 1 naming every invalid one and why."""
+    failed = 0
+    for path in configs:
+        try:
+            settings = _config_settings(path)
+        except typer.Exit:
+            failed += 1
+            continue
+        tasks = ", ".join(t.env_id for t in settings.scheduler.tasks)
+        console.print(f"[green]ok[/green]      {path}  arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
+                      f"{tasks}")
+    if failed:
+        raise _fail(f"{failed} of {len(configs)} configs are invalid")
+
+
+def _config_settings(path: Path) -> Settings:
+    try:
+        return Settings(config=path)
+    except ConfigError as exc:
+        errors.print(f"[red]invalid[/red] {path}: {exc}")
+        raise typer.Exit(2) from exc
+    except ValidationError as exc:
+        errors.print(f"[red]invalid[/red] {path}:")
+        for item in exc.errors(include_url=False):
+            errors.print(f"  {'.'.join(str(part) for part in item['loc'])}: {item['msg']}")
+        raise typer.Exit(2) from exc
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Every env id with its task family, paper turn limit and whether it runs on this machine."""
+    from pipeline.envs.registry import ENV_SPECS
+
+    table = Table("env id", "task family", "max turns", "runs here")
+    for spec in ENV_SPECS.values():
+        table.add_row(spec.env_id, spec.task_family, str(spec.max_turns),
+                      "yes" if spec.runs_here else "needs data/Docker")
+    console.print(table)
+
+
+@envs_app.command("show")
+def envs_show(
+    env_id: Annotated[str, typer.Argument(help="An env id of `crl envs list`.")],
+    seed: Annotated[int, typer.Option(help="Task seed.")] = 0,
+    actions: Annotated[list[str] | None, typer.Option("--action", help="Actions to play, in order.")] = None,
+) -> None:
+    """Reset an environment from a seed, play the given actions, and print what the agent sees at each turn."""
+    from pipeline.envs.registry import make_env
+
+    try:
+        env = make_env(env_id, _settings().envs)
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from exc
+    try:
+        goal, observation = env.reset(seed)
+        console.print(f"[bold]Goal:[/bold] {goal}", markup=True)
+        console.print(observation, markup=False, highlight=False)
+        for action in actions or []:
+            outcome = env.step(action)
+            console.print(f"[bold]> {action}[/bold]  valid {outcome.info.valid}, reward {outcome.reward}, "
+                          f"done {outcome.done}, success {outcome.info.success}")
+            console.print(outcome.observation, markup=False, highlight=False)
+            if outcome.done:
+                break
+    finally:
+        env.close()
 
 
 def main() -> None:

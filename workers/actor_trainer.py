@@ -29,7 +29,7 @@ import torch
 from pipeline.errors import ConfigError
 from pipeline.launch import WorkerContext
 from pipeline.offsets import LogPosition, SqlOffsetStore
-from pipeline.runner import Origin, Source, SourceIO
+from pipeline.runner import Source, SourceIO
 from pipeline.training import PolicyTrainer, actor_advantages, actor_samples, checkpoints_root, events_of, unpublished
 from pipeline.settings import ActorTrainerSettings
 from pipeline.transport import OffsetStore, Position

@@ -12,7 +12,6 @@ file's sha256 and the state's own hash, so a torn or tampered snapshot is refuse
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os

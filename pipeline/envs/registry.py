@@ -141,7 +141,7 @@ def draw_tasks(settings: SchedulerSettings, step: int, groups: int) -> list[tupl
     # Leftover groups go to the largest remainders; among equal remainders the step's draw rotates the choice, so
     # every environment of an even mixture gets its turn.
     leftovers = groups - sum(counts)
-    ties = sorted(order, key=lambda i: (-(round(exact[i] - counts[i], 9)), rng.random()))
+    ties = sorted(range(len(exact)), key=lambda i: (-(round(exact[i] - counts[i], 9)), rng.random()))
     for i in ties[:leftovers]:
         counts[i] += 1
     tasks = []

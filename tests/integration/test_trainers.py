@@ -3,91 +3,26 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kafka import KafkaProducer
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
 from pipeline.training import read_to_end
-from schemas.base import Event
-from schemas.codec import encode
-from schemas.topics import POLICY, TRAIN_STEPS, topic_of
+from schemas.topics import POLICY, TRAIN_STEPS
 from schemas.training import PolicyPublished, TrainStepCompleted
+from worker_processes import CRL, _env, _send, _start, _stop, _wait_for
 
 pytestmark = pytest.mark.integration
-
-CRL = [sys.executable, "-m", "pipeline.cli"]
-TINY = {"HIDDEN_SIZE": "64", "NUM_LAYERS": "2", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "INTERMEDIATE_SIZE": "128",
-        "VOCAB_SIZE": "512", "CORPUS_EPISODES": "4"}
-
-
-def _env(bootstrap: str, run_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({
-        "CRL_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "CRL_RUN_DIR": str(run_dir), "CRL_RUNNER__POLL_TIMEOUT_MS": "100",
-        "HF_HUB_OFFLINE": "1", "CRL_ARCHIVER__FLUSH_INTERVAL_S": "0.2",
-        "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1", "CRL_ACTOR_TRAINER__GROUP_SIZE": "4",
-        "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2", "CRL_ACTOR_TRAINER__LR": "0.001",
-        "CRL_ACTOR_TRAINER__THREADS": "1", "CRL_ACTOR_TRAINER__MICRO_BATCH_SIZE": "6",
-        "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "4", "CRL_EXTRACTOR_TRAINER__LR": "0.001",
-        "CRL_EXTRACTOR_TRAINER__THREADS": "1",
-    })
-    for field, value in TINY.items():
-        env[f"CRL_ACTOR_TRAINER__MODEL__TINY__{field}"] = value
-        env[f"CRL_EXTRACTOR_TRAINER__MODEL__TINY__{field}"] = value
-    return env
-
-
-def _start(worker: str, env: dict[str, str], log: Path, *, prelude: str | None = None) -> subprocess.Popen:
-    if prelude is None:
-        command = [*CRL, "worker", worker, "--instance", f"{worker}-test"]
-    else:
-        script = f"{prelude}\nimport sys\nfrom pipeline.cli import main\nsys.argv = ['crl', 'worker', '{worker}']\nmain()"
-        command = [sys.executable, "-c", script]
-    return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _wait_for(what: str, check: Callable[[], object], timeout_s: float, log: Path) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; worker log:\n{log.read_text()[-4000:]}")
-
 
 def _published(kafka: KafkaSettings, role: str) -> tuple[list[PolicyPublished], list[TrainStepCompleted]]:
     policies = [e for e in read_to_end(kafka, POLICY) if isinstance(e, PolicyPublished) and e.role == role]
     steps = [e for e in read_to_end(kafka, TRAIN_STEPS) if isinstance(e, TrainStepCompleted) and e.role == role]
     return policies, steps
-
-
-def _send(bootstrap: str, events: list[Event]) -> None:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_request_size=4 * 1024 * 1024)
-    for event in events:
-        topic = topic_of(event)
-        producer.send(topic.name, key=topic.key_bytes(event), value=encode(event))
-    producer.flush()
-    producer.close()
 
 
 def _archived_kinds(run_dir: Path) -> dict[str, int]:
