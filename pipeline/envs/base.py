@@ -86,7 +86,8 @@ def parse_action(response: str, actions: tuple[str, ...]) -> str | None:
             return by_lower[word]
     # Text actions (ALFWorld commands, WebShop clicks): the longest one the line starts with.
     for candidate in sorted(by_lower, key=len, reverse=True):
-        if line.startswith(candidate):
+        rest = line[len(candidate):]
+        if line.startswith(candidate) and (candidate.endswith("[") or not rest or not rest[0].isalnum()):
             return by_lower[candidate]
     return None
 
