@@ -45,8 +45,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.bank.replica import LocalBank  # noqa: E402
-from pipeline.bank.state import BankState, Experience  # noqa: E402
-from pipeline.bank.synthetic import embedding_like  # noqa: E402
+from pipeline.bank.synthetic import embedding_like, synthetic_bank  # noqa: E402
 from pipeline.embeddings import BUNDLED_MODEL, load_sentence_encoder  # noqa: E402
 from pipeline.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text  # noqa: E402
 
@@ -79,18 +78,7 @@ def step_queries(step: int) -> list[str]:
 
 def build_bank(size: int) -> LocalBank:
     """A bank of `size` active experiences of one family, built from its state (not from `size` ops)."""
-    keys = embedding_like(np.random.default_rng(size), size, DIM).astype("<f2")
-    keys.setflags(write=False)
-    state = BankState()
-    state.key_model, state.key_dim = BUNDLED_MODEL, DIM
-    for i in range(size):
-        experience_id = f"exp-{i:06d}"
-        state.experiences[experience_id] = Experience(
-            experience_id=experience_id, task_family=FAMILY, text=f"Tip {i}: keep to the walls until you see >.",
-            key=keys[i], version=1, status="active", generation_id=f"gen-{i}", extractor_version=0,
-            source_trajectory_ids=(f"traj-{i}",))
-    state.next_offset = state.applied = size
-    return LocalBank(state)
+    return synthetic_bank(size, FAMILY, DIM, BUNDLED_MODEL)
 
 
 def batched_step(retriever: Retriever, texts: list[str]) -> tuple[float, list[float]]:

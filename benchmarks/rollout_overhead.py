@@ -53,23 +53,9 @@ def progress(message: str) -> None:
 
 
 def build_bank(size: int):  # type: ignore[no-untyped-def]
-    from pipeline.bank.replica import LocalBank
-    from pipeline.bank.state import BankState, Experience
-    from pipeline.bank.synthetic import embedding_like
-    from pipeline.embeddings import BUNDLED_MODEL
+    from pipeline.bank.synthetic import synthetic_bank
 
-    keys = embedding_like(np.random.default_rng(size), size, DIM).astype("<f2")
-    keys.setflags(write=False)
-    state = BankState()
-    state.key_model, state.key_dim = BUNDLED_MODEL, DIM
-    for i in range(size):
-        experience_id = f"exp-{i:06d}"
-        state.experiences[experience_id] = Experience(
-            experience_id=experience_id, task_family=FAMILY, text=f"Tip {i}: head diagonally toward the > and stop.",
-            key=keys[i], version=1, status="active", generation_id=f"gen-{i}", extractor_version=0,
-            source_trajectory_ids=(f"traj-{i}",))
-    state.next_offset = state.applied = size
-    return LocalBank(state)
+    return synthetic_bank(size, FAMILY, DIM, text="Tip {i}: head diagonally toward the > and stop.")
 
 
 def assignments(groups: int, k: int, guided: bool, max_turns: int):  # type: ignore[no-untyped-def]

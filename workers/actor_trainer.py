@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.episode_metrics import episode_metrics
 from pipeline.errors import ConfigError
 from pipeline.launch import WorkerContext
 from pipeline.offsets import LogPosition, SqlOffsetStore
@@ -168,6 +169,7 @@ def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed:
         "train/late_trajectories": float(closed.late), "train/seconds": time.perf_counter() - started,
         "rollout/reward_mean": statistics.fmean(t.reward for t in trajectories),
         **step_metrics(trajectories, advantages, trainer.current.version),
+        **episode_metrics(trajectories, "rollout"),  # per environment and subgroup: success, actions, invalid rate
     }
     return trainer.train_step_event(
         step=closed.step, batch_event_ids=tuple(str(t.event_id) for t in trajectories),

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from pipeline.bank.state import ExperienceOp
+from pipeline.bank.replica import LocalBank
+from pipeline.bank.state import BankState, Experience, ExperienceOp
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import (
@@ -39,6 +40,23 @@ def embedding_like(rng: np.random.Generator, count: int, dim: int = 384, rank: i
     vectors = rng.standard_normal((count, rank)).astype(np.float32) @ basis
     vectors += 0.1 * rng.standard_normal((count, dim)).astype(np.float32)
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def synthetic_bank(size: int, task_family: str, dim: int = 384, key_model: str = "all-MiniLM-L6-v2",
+                   text: str = "Tip {i}: keep to the walls until you see >.") -> LocalBank:
+    """A bank of `size` active experiences of one family with embedding-like keys, built from its state directly
+    (not from `size` ops): for benchmarks of what reads the bank."""
+    keys = embedding_like(np.random.default_rng(size), size, dim).astype("<f2")
+    keys.setflags(write=False)
+    state = BankState()
+    state.key_model, state.key_dim = key_model, dim
+    for i in range(size):
+        experience_id = f"exp-{i:06d}"
+        state.experiences[experience_id] = Experience(
+            experience_id=experience_id, task_family=task_family, text=text.format(i=i), key=keys[i], version=1,
+            status="active", generation_id=f"gen-{i}", extractor_version=0, source_trajectory_ids=(f"traj-{i}",))
+    state.next_offset = state.applied = size
+    return LocalBank(state)
 
 
 def synthetic_op_log(count: int, seed: int = 0, dim: int = 384, run_id: str = "synthetic") -> list[ExperienceOp]:

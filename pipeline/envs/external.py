@@ -2,8 +2,8 @@
 
 None of them runs on the development machines: ALFWorld needs its game files (`alfworld-download`, ~2 GB), WebShop
 its product catalogue and search index, SWE-Bench Docker images of every repository. Constructing an adapter without
-them raises `EnvUnavailableError` naming what is missing and how to get it — at construction, before any episode is
-assigned, so a mixture that names them fails when the rollout worker starts, not mid-run.
+them raises `EnvUnavailableError` (a `ConfigError`) naming what is missing and how to get it. A rollout worker stops
+with that message at the first episode of such an environment, without committing it, so no task is lost.
 
 These adapters are written against the packages' documented entry points and have not been run here (no data, no
 Docker); the MiniHack and Sokoban adapters are the tested ones.
