@@ -57,7 +57,7 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: deliver SIGTERM to the broker when the process that started it dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -129,7 +129,7 @@ class EmbeddedBroker:
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 # A terminal Ctrl-C goes to the whole foreground group; the owner stops the broker after draining.
                 start_new_session=True,
             )

@@ -10,6 +10,20 @@ Views:
 - one view per event kind, named in snake case (`trajectory_completed`, `dead_letter`, ...), with the envelope, the
   Kafka coordinates and every field of the event as a column (scalars typed, nested values as JSON).
 
+Run views (`RUN_VIEWS`), plain SQL over the per-kind views, one row per event, for curves and reports:
+- `trajectories`: one row per TrajectoryCompleted: trajectory_id, step, split, env_id, task_family, seed, group_id,
+  slot, guided, success, reward, num_actions, invalid_actions, truncated, turns (count), response_tokens (over all
+  turns), policy_version, bank_offset, served (JSON list of the experience ids in `retrieved`), generation_s, env_s,
+  retrieval_s, occurred_at;
+- `train_steps`: one row per TrainStepCompleted: role, step, policy_version, loss, tokens, batch_size (batch events),
+  dropped (events dropped at the timeout), timed_out, loss_variant, aggregation, weight_hash_before,
+  weight_hash_after, clip_fraction (`train/clip_fraction`), reward_mean (`rollout/reward_mean` for the actor,
+  `extractor/reward_mean` for the extractor), success_guided (`rollout/success_guided`), success_free
+  (`rollout/success_free`), metrics (JSON, every metric), occurred_at; a metric the step did not record is NULL;
+- `policy_versions`: one row per PolicyPublished: role, version, step, checkpoint_uri, sha256, published_at, and the
+  loss and weight_hash_after of the TrainStepCompleted with the same role and policy_version (NULL for version 0,
+  the initial checkpoint).
+
 Experience views, made by replaying the op log the first time a query reads one of them (the same `replay` as `crl replay bank`, over
 the records of the most recently written op log in the archive, which is the log `crl replay bank` picks when the
 bank has no live position; the log's id is `Audit.op_log_id`). DuckDB cannot run the bank's rules, and a replay
@@ -124,6 +138,55 @@ def _empty_archive_sql() -> str:
         else:
             columns.append(f"CAST(NULL AS {_ARROW_TO_SQL[str(column.type)]}) AS {_quote(column.name)}")
     return f"SELECT {', '.join(columns)} WHERE false"
+
+
+# -- run views ------------------------------------------------------------------------------------------------------
+
+RUN_VIEWS = ("trajectories", "train_steps", "policy_versions")
+
+
+def _metric(name: str) -> str:
+    """A `metrics` entry of TrainStepCompleted as DOUBLE (NULL when the step did not record it)."""
+    path = _sql_string('$."' + name + '"')
+    return f"TRY_CAST(metrics ->> {path} AS DOUBLE)"
+
+
+def _timing(name: str) -> str:
+    path = _sql_string(f"$.{name}")
+    return f"TRY_CAST(timings ->> {path} AS DOUBLE) AS {name}"
+
+
+RUN_VIEW_SQL = {
+    # Token ids are base64 of int32 on the wire (schemas/arrays.py): 4 bytes per token.
+    "trajectories": (
+        "SELECT trajectory_id, step, split, env_id, task_family, seed, group_id, slot, guided, success, reward, "
+        "num_actions, invalid_actions, truncated, coalesce(json_array_length(turns), 0) AS turns, "
+        "coalesce(list_sum(list_transform(json_extract_string(turns, '$[*].response_token_ids'), "
+        "lambda ids: octet_length(from_base64(ids)) // 4)), 0) AS response_tokens, policy_version, bank_offset, "
+        "coalesce(to_json(json_extract_string(retrieved, '$[*].experience_id')), '[]'::JSON) AS served, "
+        f"{_timing('generation_s')}, {_timing('env_s')}, {_timing('retrieval_s')}, occurred_at "
+        "FROM trajectory_completed ORDER BY step, split, group_id, slot, trajectory_id"
+    ),
+    "train_steps": (
+        "SELECT role, step, policy_version, loss, tokens, json_array_length(batch_event_ids) AS batch_size, "
+        "coalesce(json_array_length(dropped_event_ids), 0) AS dropped, timed_out, loss_variant, aggregation, "
+        f"weight_hash_before, weight_hash_after, {_metric('train/clip_fraction')} AS clip_fraction, "
+        f"CASE role WHEN 'extractor' THEN {_metric('extractor/reward_mean')} "
+        f"ELSE {_metric('rollout/reward_mean')} END AS reward_mean, "
+        f"{_metric('rollout/success_guided')} AS success_guided, {_metric('rollout/success_free')} AS success_free, "
+        "metrics, occurred_at FROM train_step_completed ORDER BY role, step, occurred_at"
+    ),
+    # One row per PolicyPublished: a re-recorded step (same role and version) joins once, its first record.
+    "policy_versions": (
+        "SELECT published.role, published.version, published.step, published.checkpoint_uri, published.sha256, "
+        "published.occurred_at AS published_at, trained.loss, trained.weight_hash_after "
+        "FROM policy_published AS published LEFT JOIN ("
+        "SELECT DISTINCT ON (role, policy_version) role, policy_version, loss, weight_hash_after "
+        "FROM train_step_completed ORDER BY role, policy_version, occurred_at, event_id"
+        ") AS trained ON trained.role = published.role AND trained.policy_version = published.version "
+        "ORDER BY published.role, published.version, published.occurred_at"
+    ),
+}
 
 
 # -- experience views -----------------------------------------------------------------------------------------------
@@ -273,6 +336,8 @@ class Audit:
         self.connection.execute(f"CREATE VIEW events AS {source}")
         for kind, event_type in sorted(EVENT_TYPES.items()):
             self.connection.execute(f"CREATE VIEW {_quote(snake_case(kind))} AS {kind_view_sql(event_type)}")
+        for name in RUN_VIEWS:
+            self.connection.execute(f"CREATE VIEW {name} AS {RUN_VIEW_SQL[name]}")
         self.op_log_id = self._newest_op_log()
         """The op log the experience views replay (None: the archive holds no experience ops)."""
         self._experience_views_ready = False
@@ -325,7 +390,7 @@ class Audit:
 
     @staticmethod
     def view_names() -> list[str]:
-        """`events` and the per-kind views (the experience views are `EXPERIENCE_VIEWS`)."""
+        """`events` and the per-kind views (the others are `RUN_VIEWS` and `EXPERIENCE_VIEWS`)."""
         return ["events"] + sorted(snake_case(kind) for kind in EVENT_TYPES)
 
     def query(self, sql: str, parameters: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:

@@ -304,6 +304,79 @@ def worker(
     console.print(f"{name} stopped ({runner.stop_reason or 'finished'}): {json.dumps(metrics.snapshot())}")
 
 
+# -- run ------------------------------------------------------------------------------------------------------------
+
+
+class ArmChoice(str, Enum):
+    complementary = "complementary"
+    grpo = "grpo"
+    static_extractor = "static_extractor"
+    exp_only = "exp_only"
+
+
+@app.command("run")
+def run(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML), e.g. configs/tiny-minihack-room.yaml.")],
+    run_dir: RunDirOption = None,
+    steps: Annotated[int | None, typer.Option(help="Override scheduler.steps (e.g. 3 for a smoke run).")] = None,
+    arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
+    report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,
+) -> None:
+    """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
+    from kafka.errors import KafkaError
+
+    from infra.broker import BrokerError
+    from pipeline.supervisor import RunFailed, RunSupervisor, check_run_dir, default_run_dir
+
+    overrides = {}
+    if steps is not None:
+        overrides["CRL_SCHEDULER__STEPS"] = str(steps)
+    if arm is not None:
+        overrides["CRL_SCHEDULER__ARM"] = arm.value
+    chosen_dir = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
+                             else default_run_dir(config))
+    os.environ.update(overrides)  # this is the settings edge: the workers get the same overrides
+    os.environ["CRL_RUN_DIR"] = str(chosen_dir)
+    try:
+        settings = Settings(config=config)
+        check_run_dir(settings.run_dir)
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from exc
+    except ValidationError as exc:
+        raise _fail(f"invalid settings: {exc}", 2) from exc
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    _configure_logging(_State.log_level, settings.run_dir / "logs" / "crl-run.log")
+    console.print(f"run {settings.resolved_run_id}: arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
+                  f"{', '.join(t.env_id for t in settings.scheduler.tasks)}; run dir {settings.run_dir}")
+    supervisor = RunSupervisor(settings, config, overrides, console)
+    try:
+        progress = supervisor.run()
+    except (RunFailed, BrokerError, KafkaError) as exc:
+        raise _fail(f"run failed: {exc}") from exc
+    finished = progress.finished
+    status = finished.status if finished is not None else "interrupted"
+    console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,
+                  soft_wrap=True)
+    if report:
+        from pipeline.report import summary_line, write_report
+
+        written = write_report([settings.run_dir])
+        for line in written.runs:
+            console.print(summary_line(line), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"report: {written.html}")
+    some = next((e.experience_id for e in progress.bank.experiences.values() if len(e.history) > 1), None) or \
+        next(iter(progress.bank.experiences), "EXPERIENCE_ID")
+    console.print("next:", highlight=False)
+    for line in (f"crl replay bank {settings.run_dir}", f"crl replay train {settings.run_dir}",
+                 f"crl bank show {settings.run_dir}", f"crl audit experience {settings.run_dir} {some}",
+                 f"crl audit sql {settings.run_dir} \"SELECT step, guided, avg(success::INT) FROM trajectories "
+                 "WHERE split = 'train' GROUP BY ALL ORDER BY ALL\"",
+                 f"crl report {settings.run_dir} runs/OTHER --out runs/compare"):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    if status != "completed":
+        raise typer.Exit(130 if status == "interrupted" or supervisor.interrupts else 1)
+
+
 # -- doctor ---------------------------------------------------------------------------------------------------------
 
 
@@ -362,14 +435,16 @@ def audit_sql(
     sql: Annotated[str, typer.Argument(help="One SELECT over the views (`events`, `trajectory_completed`, ...).")],
     output: FormatOption = "table",
 ) -> None:
-    """Run one read-only SQL statement over the run's archive. Views: events plus one per event kind."""
-    from pipeline.audit import EXPERIENCE_VIEWS, Audit, AuditQueryError
+    """Run one read-only SQL statement over the run's archive. Views: events, one per event kind, trajectories,
+    train_steps, policy_versions and the experience views."""
+    from pipeline.audit import EXPERIENCE_VIEWS, RUN_VIEWS, Audit, AuditQueryError
 
     with _open_audit(run_dir) as audit:
         try:
             columns, rows = audit.query(sql)
         except AuditQueryError as exc:
-            raise _fail(f"{exc}\nviews: {', '.join([*Audit.view_names(), *EXPERIENCE_VIEWS])}") from exc
+            views = [*Audit.view_names(), *RUN_VIEWS, *EXPERIENCE_VIEWS]
+            raise _fail(f"{exc}\nviews: {', '.join(views)}") from exc
     _print_rows(columns, rows, output)
 
 
@@ -619,6 +694,29 @@ def bank_show(
                       version["generation_id"], str(version["extractor_version"]),
                       ", ".join(version["source_trajectory_ids"]), version["text"])
     console.print(table)
+
+
+# -- report ---------------------------------------------------------------------------------------------------------
+
+
+@app.command("report")
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories; several overlay as lines per run and arm.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Output directory (default: RUN_DIR/report for one run; required for several).")] = None,
+) -> None:
+    """Write report.html and PNG curves (success, actions, bank, extractor, retrieval) from the runs' archives."""
+    from pipeline.report import summary_line, write_report
+
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise _fail(f"no run directory at {run_dir}", 2)
+    if out is None and len(run_dirs) > 1:
+        raise _fail(f"{len(run_dirs)} runs need an output directory: pass --out DIR", 2)
+    with console.status(f"reading {len(run_dirs)} run(s) and drawing"):
+        written = write_report(run_dirs, out)
+    for line in [*map(summary_line, written.runs), *(f"wrote {path}" for path in (written.html, *written.figures))]:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 # -- config and envs ------------------------------------------------------------------------------------------------

@@ -66,16 +66,24 @@ class Episode:
 def actor_prompt(episode: Episode, history_turns: int, asks_left: int) -> str:
     """The actor's prompt for the next turn. The experience and answers sit in the prompt only: the recorded
     observation is the environment's text alone."""
-    a = episode.assignment
-    lines = [f"Task: {a.env_id}. Goal: {episode.goal}"]
-    if episode.experience:
-        lines.append(f"Experience: {episode.experience}")
-    if episode.answer:
-        lines.append(f"Answer: {episode.answer}")
-    if history_turns and episode.history:
-        lines.append("Previous actions: " + ", ".join(episode.history[-history_turns:]))
+    return render_actor_prompt(episode.assignment.env_id, episode.goal, episode.observation,
+                               experience=episode.experience, answer=episode.answer, history=episode.history,
+                               history_turns=history_turns, asks_left=asks_left)
+
+
+def render_actor_prompt(env_id: str, goal: str, observation: str, *, experience: str | None = None,
+                        answer: str | None = None, history: list[str] | None = None, history_turns: int = 0,
+                        asks_left: int = 0) -> str:
+    """`actor_prompt` from its parts (the behaviour-cloning warm start builds the same prompts)."""
+    lines = [f"Task: {env_id}. Goal: {goal}"]
+    if experience:
+        lines.append(f"Experience: {experience}")
+    if answer:
+        lines.append(f"Answer: {answer}")
+    if history_turns and history:
+        lines.append("Previous actions: " + ", ".join(history[-history_turns:]))
     lines.append("Observation:")
-    lines.append(episode.observation)
+    lines.append(observation)
     if asks_left:
         lines.append(f"You may also write: {ASK} <question> ({asks_left} left)")
     lines.append("Action:")

@@ -457,6 +457,7 @@ class SourceIO:
             runner._uncommitted = True
             if event is not None:
                 yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
+        runner._maybe_report()  # periodic metrics (with lag) for sources too: `crl run` reads them to see a drain
 
     def owns(self, position: Position) -> bool:
         """Whether this worker still owns `position` (a group rebalance may have moved it to another member)."""

@@ -158,6 +158,32 @@ class TrainerSettings(BaseModel):
     threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
 
 
+DEFAULT_WARM_START_CACHE = Path.home() / ".cache" / "complementary-rl" / "warm-start"
+
+
+class WarmStartSettings(BaseModel):
+    """A short supervised warm start of a freshly built policy, before version 0 is published (CPU preset only:
+    paper-scale configs start from pretrained models and leave `steps` at 0). The actor is behaviour-cloned from
+    scripted solvers; the extractor is fine-tuned on ops a rule-based summariser writes (`pipeline.warm_start`).
+    The result is version 0: `crl replay train` starts from it, and `RunStarted` records these settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(default=0, ge=0, description="Optimiser steps of the warm start; 0 turns it off.")
+    episodes: int = Field(default=64, gt=0, description="Scripted / rule-based episodes played for its data.")
+    batch_size: int = Field(default=16, gt=0, description="Samples per optimiser step.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the warm start.")
+    expert_fraction: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Share of the data episodes played by the scripted solver (the rest act at random), so "
+        "successes and failures both occur.")
+    seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
+    cache_dir: Path | None = Field(
+        default=DEFAULT_WARM_START_CACHE,
+        description="Warm-started weights are cached here, keyed by a hash of everything that determines them "
+        "(None: no cache). A cache hit gives byte-identical weights.")
+
+
 class ActorTrainerSettings(TrainerSettings):
     """The actor trainer (GRPO with subgroup advantages). Environment: `CRL_ACTOR_TRAINER__<FIELD>`."""
 
@@ -170,6 +196,9 @@ class ActorTrainerSettings(TrainerSettings):
     group_timeout_s: float = Field(
         default=600.0, gt=0,
         description="After this long waiting for a step, train its complete groups and drop the incomplete ones.")
+    warm_start: WarmStartSettings = Field(
+        default_factory=WarmStartSettings,
+        description="Behaviour cloning from scripted solvers before version 0 (tiny CPU preset; 0 steps = off).")
 
 
 class ExtractorTrainerSettings(TrainerSettings):
@@ -180,6 +209,9 @@ class ExtractorTrainerSettings(TrainerSettings):
     buffer_size: int = Field(default=64, gt=0, description="Rewarded generations per CISPO step (paper 64).")
     count_alpha: float = Field(default=0.5, ge=0, description="Eq. 7: weight (1 + train_count)^(-alpha).")
     count_delta: int = Field(default=1, ge=0, description="Eq. 7: weight 0 if trained less than delta steps ago.")
+    warm_start: WarmStartSettings = Field(
+        default_factory=WarmStartSettings,
+        description="Fine-tuning on a rule-based summariser's ops before version 0 (tiny CPU preset; 0 steps = off).")
 
 
 class EnvSettings(BaseModel):
@@ -270,6 +302,46 @@ class RolloutSettings(BaseModel):
     seed: int = Field(default=0, ge=0, description="Seeds the sampling of this worker's generations.")
 
 
+class ExtractorSettings(BaseModel):
+    """How extractor workers distil trajectories and merge the bank. Environment: `CRL_EXTRACTOR__<FIELD>`. The
+    sampling temperature is the extractor trainer's (`CRL_EXTRACTOR_TRAINER__TEMPERATURE`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    distill: Literal["all", "guided"] = Field(
+        default="all", description="Which train trajectories are distilled: every one, or only guided ones.")
+    backend: Literal["transformers", "vllm"] = Field(default="transformers", description="Generation backend.")
+    device: str = Field(default="cpu", description="torch device for the transformers backend.")
+    batch_size: int = Field(default=16, gt=0, description="Trajectories distilled per batched generation.")
+    generation_micro_batch: int = Field(default=16, gt=0, description="Rows per forward pass while generating.")
+    max_new_tokens: int = Field(default=160, gt=0, description="Longest extractor response.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling (1 = off).")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
+    max_ops: int = Field(default=3, ge=1, le=3, description="Most ops one distillation may emit (paper: 3).")
+    max_experience_chars: int = Field(default=400, gt=0, le=4000, description="Longest experience text accepted.")
+    max_actions_shown: int = Field(default=40, gt=0, description="Actions of the trajectory listed in the prompt.")
+    merge_chunk: int = Field(default=5, ge=2, description="Experiences per merge prompt (paper: 5).")
+    capacity: int = Field(
+        default=20_000, gt=0, description="Active experiences kept; beyond it the oldest are retired (FIFO).")
+    replica_wait_s: float = Field(
+        default=10.0, ge=0, description="Before a merge, how long to wait for the bank replica to catch up.")
+    seed: int = Field(default=0, ge=0, description="Seeds the sampling of this worker's generations.")
+
+
+class LaunchSettings(BaseModel):
+    """What `crl run` starts and how it supervises it. Environment: `CRL_LAUNCH__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rollout_workers: int = Field(default=1, gt=0, description="Rollout worker processes (one consumer group).")
+    extractor_workers: int = Field(default=1, gt=0, description="Extractor worker processes (one consumer group).")
+    max_restarts: int = Field(default=3, ge=0, description="Restarts of one crashed worker before the run fails.")
+    drain_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="After RunFinished, how long to wait for every consumer to reach the end of its inputs.")
+    progress_interval_s: float = Field(default=1.0, gt=0, description="Refresh period of the live progress view.")
+
+
 class Settings(BaseSettings):
     """Everything a worker or command needs to know about its environment."""
 
@@ -295,6 +367,8 @@ class Settings(BaseSettings):
     envs: EnvSettings = Field(default_factory=EnvSettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    extractor: ExtractorSettings = Field(default_factory=ExtractorSettings)
+    launch: LaunchSettings = Field(default_factory=LaunchSettings)
     actor_trainer: ActorTrainerSettings = Field(default_factory=ActorTrainerSettings)
     extractor_trainer: ExtractorTrainerSettings = Field(
         default_factory=lambda: ExtractorTrainerSettings(model=ModelSettings(tiny=TinyModelSettings(seed=1))))

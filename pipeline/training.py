@@ -22,7 +22,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -82,6 +82,10 @@ def initial_policy(model: ModelSettings) -> TransformersPolicy:
     return build_tiny(model.tiny, device=model.device)
 
 
+WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict]]
+"""Fine-tunes a freshly built policy before it becomes version 0; returns it and what it did (`pipeline.warm_start`)."""
+
+
 @dataclass
 class PolicyVersion:
     """A checkpoint on disk and the events that announce it."""
@@ -100,12 +104,14 @@ class PolicyTrainer:
     `save()` writes the next version's checkpoint and returns the events to publish.
     """
 
-    def __init__(self, role: Role, settings: TrainerSettings, root: Path, run_id: str, producer: Producer) -> None:
+    def __init__(self, role: Role, settings: TrainerSettings, root: Path, run_id: str, producer: Producer,
+                 warm_start: WarmStart | None = None) -> None:
         self.role = role
         self.settings = settings
         self.root = root
         self.run_id = run_id
         self.producer = producer
+        self.warm_start = warm_start
         deterministic_torch(settings.threads)
         self.policy, self.optimizer, self.current = self._open()
 
@@ -137,14 +143,18 @@ class PolicyTrainer:
                      path)
             return loaded.policy, optimizer, version
         policy = initial_policy(self.settings.model)
+        warm_start = None
+        if self.warm_start is not None:
+            policy, warm_start = self.warm_start(policy)
         optimizer = self._optimizer(policy)
-        version = self._write(policy, optimizer, version=0, step=0, train_step=None)
+        version = self._write(policy, optimizer, version=0, step=0, train_step=None, warm_start=warm_start)
         log.info("%s trainer created version 0 at %s", self.role, version.info.path)
         return policy, optimizer, version
 
     def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer, *, version: int, step: int,
-               train_step: TrainStepCompleted | None) -> PolicyVersion:
+               train_step: TrainStepCompleted | None, warm_start: dict | None = None) -> PolicyVersion:
         metadata = {
+            **({"warm_start": warm_start} if warm_start is not None else {}),
             "role": self.role, "version": version, "step": step, "run_id": self.run_id,
             "trainer": self.settings.model_dump(mode="json"),
             "train_step": json.loads(train_step.model_dump_json()) if train_step is not None else None,

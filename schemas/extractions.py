@@ -22,6 +22,9 @@ class ExtractionGenerated(Event):
     extractor_version: NonNegativeInt = Field(description="Extractor policy version that generated it.")
     purpose: Literal["distill", "merge", "ask"] = Field(description="Distil a trajectory, merge a chunk, or answer.")
     task_family: Id
+    step: NonNegativeInt | None = Field(
+        default=None, description="Actor step of the trajectory it read (distil/ask), or the step after which the "
+        "merge was requested (merge). Optional: generations written before it existed have none.")
     source_trajectory_ids: tuple[Id, ...] = Field(default=(), description="Trajectories it read (distil/ask).")
     shown: tuple[ExperienceRef, ...] = Field(default=(), description="Experiences shown; alias i+1 is shown[i].")
     prompt_token_ids: TokenIds

@@ -8,6 +8,7 @@ from pipeline.launch import WorkerClass
 from workers.actor_trainer import ActorTrainer
 from workers.archiver import Archiver
 from workers.bank import BankProjection
+from workers.extractor import Extractor
 from workers.extractor_trainer import ExtractorTrainer
 from workers.rollout import Rollout
 from workers.scheduler import Scheduler
@@ -15,6 +16,7 @@ from workers.scheduler import Scheduler
 WORKERS: dict[str, WorkerClass] = {
     Scheduler.name: Scheduler,
     Rollout.name: Rollout,
+    Extractor.name: Extractor,
     Archiver.name: Archiver,
     BankProjection.name: BankProjection,
     ActorTrainer.name: ActorTrainer,

@@ -31,8 +31,16 @@ from pipeline.errors import ConfigError
 from pipeline.launch import WorkerContext
 from pipeline.offsets import LogPosition, SqlOffsetStore
 from pipeline.runner import Source, SourceIO
-from pipeline.training import PolicyTrainer, actor_advantages, actor_samples, checkpoints_root, events_of, unpublished
-from pipeline.settings import ActorTrainerSettings
+from pipeline.settings import ActorTrainerSettings, Settings
+from pipeline.training import (
+    PolicyTrainer,
+    WarmStart,
+    actor_advantages,
+    actor_samples,
+    checkpoints_root,
+    events_of,
+    unpublished,
+)
 from pipeline.transport import OffsetStore, Position
 from schemas.base import Producer
 from schemas.topics import TRAJECTORIES
@@ -180,6 +188,17 @@ def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed:
     )
 
 
+def actor_warm_start(settings: Settings) -> WarmStart | None:
+    """Behaviour cloning of a freshly built actor, when the config asks for it (`actor_trainer.warm_start`)."""
+    warm = settings.actor_trainer.warm_start
+    if warm.steps == 0:
+        return None
+    from pipeline.warm_start import warm_start_actor
+
+    return lambda policy: warm_start_actor(policy, warm, settings.scheduler.tasks, settings.envs,
+                                           settings.rollout.history_turns)
+
+
 class ActorTrainer(Source):
     name = "actor_trainer"
     inputs = (TRAJECTORIES,)
@@ -188,9 +207,11 @@ class ActorTrainer(Source):
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.actor_trainer
         self.kafka = context.settings.resolve_kafka()
+        self.frozen = context.settings.scheduler.arm == "exp_only"
         self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
                                      context.settings.resolved_run_id,
-                                     Producer(worker=self.name, instance=context.instance))
+                                     Producer(worker=self.name, instance=context.instance),
+                                     warm_start=actor_warm_start(context.settings))
         self.collector = StepCollector(
             self.settings.group_size, self.settings.groups_per_step, self.settings.group_timeout_s,
             next_step=max(self.settings.warmup_steps, self.trainer.current.step + 1 if self.trainer.current.version
@@ -222,6 +243,10 @@ class ActorTrainer(Source):
                 io.commit()  # positions stop at the oldest episode not yet trained (`_PendingAwarePositions`)
 
     def train(self, closed: ClosedStep, io: SourceIO) -> None:
+        if self.frozen:
+            log.info("arm exp_only: the actor stays at version 0; step %d (%d episodes) is not trained", closed.step,
+                     len(closed.trajectories))
+            return
         if not closed.trajectories:
             log.warning("step %d timed out with no complete group; %d episodes dropped, no update", closed.step,
                         len(closed.dropped_event_ids))

@@ -33,7 +33,8 @@ from pipeline.offsets import FromTheStart
 from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
 from pipeline.rl.update import Sample
 from pipeline.runner import Source, SourceIO
-from pipeline.training import PolicyTrainer, checkpoints_root, events_of, unpublished
+from pipeline.settings import Settings
+from pipeline.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
 from pipeline.transport import OffsetStore, Position
 from schemas.base import Producer
 from schemas.extractions import ExtractionGenerated
@@ -136,6 +137,21 @@ class ExtractorJoin:
                               tuple(len(o) for o in outcome_sets), tuple(weights.tolist()))
 
 
+FROZEN_EXTRACTOR_ARMS = ("static_extractor", "grpo")
+"""Arms whose extractor never trains: its version 0 is published (the extractor workers need one) and kept."""
+
+
+def extractor_warm_start(settings: Settings) -> WarmStart | None:
+    """Fine-tuning of a freshly built extractor on the rule-based summariser's answers (`extractor_trainer.warm_start`)."""
+    warm = settings.extractor_trainer.warm_start
+    if warm.steps == 0:
+        return None
+    from pipeline.warm_start import warm_start_extractor
+
+    return lambda policy: warm_start_extractor(policy, warm, settings.scheduler.tasks, settings.envs,
+                                               settings.extractor)
+
+
 class ExtractorTrainer(Source):
     name = "extractor_trainer"
     inputs = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
@@ -144,9 +160,11 @@ class ExtractorTrainer(Source):
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.extractor_trainer
         self.kafka = context.settings.resolve_kafka()
+        self.arm = context.settings.scheduler.arm
         self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
                                      context.settings.resolved_run_id,
-                                     Producer(worker=self.name, instance=context.instance))
+                                     Producer(worker=self.name, instance=context.instance),
+                                     warm_start=extractor_warm_start(context.settings))
         self.join = ExtractorJoin()
 
     @classmethod
@@ -188,6 +206,12 @@ class ExtractorTrainer(Source):
         if self.trainer.current.train_step is not None:
             self.join.add_train_step(self.trainer.current.train_step)
         io.commit()
+        if self.arm in FROZEN_EXTRACTOR_ARMS:
+            log.info("arm %s: the extractor stays at version %d and is not trained", self.arm,
+                     self.trainer.current.version)
+            while not io.stopping:
+                self._consume(io)
+            return
         while not io.stopping:
             self._consume(io)
             while (batch := self.join.batch(self.trainer.current.version + 1, self.settings.buffer_size,

@@ -9,7 +9,8 @@ In order:
    `EpisodeAssigned` slots sharing the task's seed; the first half of a group is guided after the warm-up steps, none
    is during warm-up or in the `grpo` arm. Before issuing step s it waits until
    - the actor has published version `s - warmup - staleness` (the staleness bound; `exp_only` never waits), and
-   - every train episode of step `s - 1 - max_steps_ahead` has finished (bounds the queue).
+   - every train episode of step `s - 1 - max_steps_ahead` has finished (bounds the queue), and
+   - (step 0, every arm with a bank) the extractor has published its version 0, so the warm-up fills the bank.
    Every `merge_every` steps it publishes `MergeRequested` first; every `eval_every` steps (and after the last) it
    adds evaluation groups on the fixed eval pool: one guided and one free slot per task (`grpo`: one free).
 3. `RunFinished` once every scheduled episode has a `TrajectoryCompleted`, with the run's rollout metrics; or early
@@ -136,6 +137,7 @@ class Scheduler(Source):
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.actor_version = -1
+        self.extractor_version = -1
         self.finished: dict[uuid.UUID, TrajectoryCompleted] = {}
         self.steps: dict[int, _StepRecord] = {}
         self.stop_request: StopRequested | None = None
@@ -192,6 +194,8 @@ class Scheduler(Source):
         needed = required_version(self.settings, step)
         if needed > 0 and self.actor_version < needed:
             return False
+        if step == 0 and self.settings.scheduler.arm != "grpo" and self.extractor_version < 0:
+            return False  # the warm-up steps fill the bank: nothing is distilled before the extractor's version 0
         earlier = step - 1 - self.settings.scheduler.max_steps_ahead
         return earlier < 0 or self._done(self.steps[earlier].train_ids)
 
@@ -221,6 +225,8 @@ class Scheduler(Source):
                 continue
             if isinstance(event, PolicyPublished) and event.role == "actor":
                 self.actor_version = max(self.actor_version, event.version)
+            elif isinstance(event, PolicyPublished):
+                self.extractor_version = max(self.extractor_version, event.version)
             elif isinstance(event, TrajectoryCompleted):
                 self.finished.setdefault(uuid.UUID(event.assignment_event_id), event)
             elif isinstance(event, StopRequested):

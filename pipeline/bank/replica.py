@@ -133,6 +133,22 @@ class LocalBank:
         finally:
             self.lock.release_read()
 
+    def experience(self, experience_id: str) -> Experience | None:
+        """The experience as this replica holds it now (None: never seen)."""
+        self.lock.acquire_read()
+        try:
+            return self.state.experiences.get(experience_id)
+        finally:
+            self.lock.release_read()
+
+    def active_experiences(self, task_family: str | None = None) -> list[Experience]:
+        """The active experiences (of one family), oldest first: by the offset of the op that created them."""
+        self.lock.acquire_read()
+        try:
+            return sorted(self.state.active(task_family), key=lambda e: (e.op_offsets[0], e.experience_id))
+        finally:
+            self.lock.release_read()
+
     def state_hash(self) -> str:
         self.lock.acquire_read()
         try:
@@ -229,6 +245,17 @@ class BankReplica(LocalBank):
             raise RuntimeError(f"the bank replica stopped: {self.failure}") from self.failure
         high = self._high_watermark
         return high is not None and max(self.offset, self._read_to) >= high
+
+    def wait_for_offset(self, offset: int, timeout_s: float) -> bool:
+        """Wait until every op before `offset` is applied (read your own writes: pass the log's end after a flush)."""
+        deadline = time.monotonic() + timeout_s
+        while max(self.offset, self._read_to) < offset:
+            if self.failure is not None:
+                raise RuntimeError(f"the bank replica stopped: {self.failure}") from self.failure
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def wait_caught_up(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -134,6 +134,11 @@ class TextEnv(ABC):
     def close(self) -> None:
         """Release the underlying environment."""
 
+    def expert_action(self) -> str | None:
+        """What a scripted solver would do now, or None where this environment has none (the actor's behaviour
+        cloning warm start plays with it)."""
+        return None
+
     # -- the protocol -----------------------------------------------------------------------------------------------
 
     def reset(self, seed: int) -> tuple[str, str]:

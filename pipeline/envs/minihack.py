@@ -116,6 +116,20 @@ class MiniHackEnv(TextEnv):
     def render(self) -> str:
         return self._crop(self._last)[0] if self._last else ""
 
+    def expert_action(self) -> str | None:
+        """Room tasks only: step straight toward the staircase (diagonals first). Empty rooms need nothing more;
+        mazes, keys and rivers have no scripted solver here."""
+        if self.kind != "room" or not self._last:
+            return None
+        stairs = np.argwhere(self._last["chars"] == ord(">"))
+        if stairs.size == 0:
+            return None
+        x, y = int(self._last["blstats"][0]), int(self._last["blstats"][1])
+        dy, dx = int(stairs[0][0]) - y, int(stairs[0][1]) - x
+        vertical = "south" if dy > 0 else "north" if dy < 0 else ""
+        horizontal = "east" if dx > 0 else "west" if dx < 0 else ""
+        return (vertical + horizontal) or None
+
     def close(self) -> None:
         self._env.close()
 

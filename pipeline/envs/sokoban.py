@@ -157,6 +157,13 @@ class SokobanEnv(TextEnv):
         self.boxes, self.player = _step(self.room.walls, self.boxes, self.player, action)
         return ActResult(self._describe(), solved=self.boxes == self.room.targets)
 
+    def expert_action(self) -> str | None:
+        """The first move of a fewest-moves solution from the current state (BFS)."""
+        if self.room is None:
+            return None
+        plan = solve(self.room.walls, self.room.targets, self.boxes, self.player)
+        return plan[0] if plan else None
+
     def render(self) -> str:
         if self.room is None:
             return ""

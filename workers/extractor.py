@@ -1,0 +1,385 @@
+"""Extractor worker: distils finished trajectories into experience ops, and consolidates the bank on request.
+
+    crl worker extractor --run-dir runs/demo        # as many instances as you like: they share crl.trajectories
+
+Distillation (consumer group on `crl.trajectories`): every train trajectory (or only guided ones,
+`CRL_EXTRACTOR__DISTILL=guided`) of the run is shown to the extractor model with the experiences it was served, as
+they stand in the bank now, by alias (`pipeline.extraction`). One batched generation serves up to `batch_size`
+trajectories. Each answer is parsed strictly; `add` becomes `ExperienceAdded` keyed by the embedding of the
+trajectory's query (goal + first observation), `refine` becomes `ExperienceRefined` expecting the version the
+extractor was shown. The worker publishes `ExtractionGenerated` (prompt and response token ids, sampling log-probs,
+parse status, op ids) and then its ops. Ids derive from the trajectory id, so a re-processed trajectory repeats
+the same ids and the bank and the extractor trainer treat the repeat as a duplicate.
+
+Capacity: when the active bank would exceed `capacity`, the oldest experiences are retired (`ExperienceRetired`,
+reason `capacity`), first in, first out.
+
+Merging (`MergeRequested` on `crl.control`, one partition, so one instance of the group merges): the replica first
+reads the op log to its end (read your writes); then per task family the active experiences go to the model in
+chunks of `merge_chunk`, the newest experience a chunk produced sliding into the next chunk; `merge` gives
+`ExperienceMerged` (keyed by the embedding of its text), `discard` gives `ExperienceRetired`, `rewrite` gives
+`ExperienceRefined`.
+
+Policy versions: `crl.policy` is followed for the extractor role; a newer version is loaded (sha256 checked)
+between batches. The worker waits for version 0 before it reads anything.
+
+Arms: in `grpo` there is no bank, so the worker only acknowledges its inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+from infra.admin import high_watermarks
+from infra.kafka import make_consumer
+from pipeline.errors import CheckpointError
+from pipeline.extraction import (
+    ANSWER_STOP,
+    ParseError,
+    TrajectoryDigest,
+    distill_generation_id,
+    distill_prompt,
+    eviction_op_id,
+    merge_generation_id,
+    merge_prompt,
+    new_experience_id,
+    op_id,
+    parse_distill,
+    parse_merge,
+)
+from pipeline.launch import WorkerContext
+from pipeline.models.base import Generation, PolicyModel, SamplingParams
+from pipeline.policy_follower import PolicyFollower, load_published
+from pipeline.runner import Source, SourceIO
+from schemas.arrays import EmbeddingVector
+from schemas.base import Event, Producer
+from schemas.experiences import (
+    ExperienceAdded,
+    ExperienceMerged,
+    ExperienceRefined,
+    ExperienceRetired,
+    VersionedExperience,
+)
+from schemas.extractions import ExtractionGenerated
+from schemas.runs import MergeRequested
+from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, TRAJECTORIES
+from schemas.trajectories import ExperienceRef, TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+_NAMESPACE = uuid.UUID("0f6f3f0e-3b1c-4a0e-9d55-7b0a4c1e2d90")
+
+
+def generation_event_id(generation_id: str) -> uuid.UUID:
+    """Deterministic event id of a generation's `ExtractionGenerated` (a repeat is deduplicated downstream)."""
+    return uuid.uuid5(_NAMESPACE, generation_id)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """An experience as the extractor is shown it: the bank's current version."""
+
+    experience_id: str
+    version: int
+    generation_id: str
+    text: str
+
+    def ref(self) -> ExperienceRef:
+        return ExperienceRef(experience_id=self.experience_id, version=self.version, generation_id=self.generation_id)
+
+
+class Extractor(Source):
+    name = "extractor"
+    inputs = (TRAJECTORIES, CONTROL)
+    consumption = "group"
+
+    def __init__(self, context: WorkerContext) -> None:
+        settings = context.settings
+        self.context = context
+        self.settings = settings.extractor
+        self.arm = settings.scheduler.arm
+        self.kafka = settings.resolve_kafka()
+        self.run_id = settings.resolved_run_id
+        self.embedding_model = settings.embedding.model
+        self.producer = Producer(worker=self.name, instance=context.instance)
+        self.follower = PolicyFollower(self.kafka, "extractor", client_id=f"{context.instance}-policy")
+        self.seed_base = (self.settings.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
+        self.sampling = SamplingParams(
+            max_new_tokens=self.settings.max_new_tokens, temperature=settings.extractor_trainer.temperature,
+            top_p=self.settings.top_p, top_k=self.settings.top_k, stop=(ANSWER_STOP,))
+        self.policy: PolicyModel | None = None
+        self.version = -1
+        self.bad_versions: set[int] = set()
+        self.calls = 0
+        self.replica = None
+        self.encoder = None
+        self._ends = None
+        self.statuses: Counter[str] = Counter()
+        self.op_kinds: Counter[str] = Counter()
+
+    @classmethod
+    def build(cls, context: WorkerContext) -> Extractor:
+        return cls(context)
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    def run(self, io: SourceIO) -> None:
+        if self.arm == "grpo":
+            log.info("arm grpo has no experience bank: acknowledging inputs without distilling")
+            while not io.stopping:
+                if list(io.poll()):
+                    io.commit()
+            return
+        self._start(io)
+        while not io.stopping:
+            trajectories: list[TrajectoryCompleted] = []
+            merges: list[MergeRequested] = []
+            polled = False
+            for event, _origin in io.poll():
+                polled = True
+                if event.run_id != self.run_id:
+                    continue
+                if isinstance(event, TrajectoryCompleted) and self._distils(event):
+                    trajectories.append(event)
+                elif isinstance(event, MergeRequested):
+                    merges.append(event)
+            self._follow_policy()
+            size = self.settings.batch_size
+            for start in range(0, len(trajectories), size):
+                self.distill(trajectories[start:start + size], io)
+            for merge in merges:
+                self.merge(merge, io)
+            if polled:
+                io.commit()
+
+    def _start(self, io: SourceIO) -> None:
+        from pipeline.bank.replica import BankReplica
+        from pipeline.embeddings import load_sentence_encoder
+
+        settings = self.context.settings
+        self.follower.start()
+        self.replica = BankReplica(self.kafka, settings.run_dir, settings.bank.exact_threshold).start()
+        self.encoder = load_sentence_encoder(self.embedding_model)
+        self._ends = make_consumer(self.kafka, client_id=f"{self.context.instance}-op-ends")
+        waited = time.monotonic()
+        while self.policy is None and not io.stopping:
+            if self.follower.wait_for(0, 1.0) is not None:
+                self._follow_policy()
+            if time.monotonic() - waited > 30:
+                waited = time.monotonic()
+                log.info("waiting for extractor version 0 on crl.policy (the extractor trainer publishes it)")
+
+    def _distils(self, trajectory: TrajectoryCompleted) -> bool:
+        if trajectory.split != "train":
+            return False  # evaluation episodes measure the bank; distilling them would leak the eval pool into it
+        return self.settings.distill == "all" or trajectory.guided
+
+    def _follow_policy(self) -> None:
+        newest = self.follower.newest()
+        if newest is None or newest.version <= self.version or newest.version in self.bad_versions:
+            return
+        started = time.perf_counter()
+        try:
+            policy = load_published(newest, self.settings.backend, self.settings.device,
+                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base)
+        except CheckpointError as exc:
+            self.bad_versions.add(newest.version)
+            log.error("extractor version %d refused (%s); keeping version %d", newest.version, exc, self.version)
+            return
+        self.policy, self.version = policy, newest.version
+        log.info("extractor version %d loaded in %.2fs (sha256 %s checked)", newest.version,
+                 time.perf_counter() - started, newest.sha256[:12])
+
+    def _generate(self, prompts: list[str]) -> list[Generation]:
+        assert self.policy is not None
+        generations = self.policy.generate(prompts, self.sampling, seed=(self.seed_base + self.calls) % 2**31)
+        self.calls += 1
+        return generations
+
+    def _keys(self, texts: list[str]) -> list[EmbeddingVector]:
+        if not texts:
+            return []
+        assert self.encoder is not None
+        vectors = self.encoder.encode(texts, convert_to_numpy=True, normalize_embeddings=True,
+                                      show_progress_bar=False)
+        return [EmbeddingVector.from_array(self.embedding_model, vector) for vector in vectors]
+
+    def _sync(self) -> None:
+        """Let the replica apply every op on the log now, our own included (read your writes)."""
+        assert self.replica is not None and self._ends is not None
+        end = high_watermarks(self._ends, EXPERIENCE_OPS_TOPIC.name, 1)[0]
+        if not self.replica.wait_for_offset(end, self.settings.replica_wait_s):
+            log.warning("bank replica at offset %d, not %d, after %.1fs; going on with what it has",
+                        self.replica.offset, end, self.settings.replica_wait_s)
+
+    # -- distillation ---------------------------------------------------------------------------------------------
+
+    def _shown(self, trajectory: TrajectoryCompleted) -> list[Shown]:
+        """The experiences the episode was served, as the bank holds them now (retired ones are not shown)."""
+        assert self.replica is not None
+        shown: list[Shown] = []
+        for ref in trajectory.retrieved:
+            experience = self.replica.experience(ref.experience_id)
+            if experience is not None and experience.active and all(s.experience_id != ref.experience_id
+                                                                    for s in shown):
+                shown.append(Shown(experience.experience_id, experience.version, experience.generation_id,
+                                   experience.text))
+        return shown
+
+    def distill(self, trajectories: list[TrajectoryCompleted], io: SourceIO) -> None:
+        """One batched generation over `trajectories`; publish every generation and its ops, then commit."""
+        s = self.settings
+        self._sync()
+        shown = [self._shown(t) for t in trajectories]
+        prompts = [distill_prompt(TrajectoryDigest.of(t), [e.text for e in shown_t], max_ops=s.max_ops,
+                                  max_actions=s.max_actions_shown) for t, shown_t in zip(trajectories, shown)]
+        started = time.perf_counter()
+        generations = self._generate(prompts)
+        seconds = time.perf_counter() - started
+        from pipeline.retrieval import query_text
+
+        keys = dict(zip(
+            [t.trajectory_id for t in trajectories],
+            self._keys([query_text(t.goal, t.turns[0].observation if t.turns else "") for t in trajectories]),
+        ))
+        added = 0
+        for trajectory, shown_t, generation in zip(trajectories, shown, generations, strict=True):
+            generation_id = distill_generation_id(self.run_id, trajectory.trajectory_id)
+            ops: list[Event] = []
+            error = None
+            try:
+                parsed = parse_distill(generation.text, len(shown_t), max_ops=s.max_ops,
+                                       max_chars=s.max_experience_chars)
+            except ParseError as exc:
+                parsed, error = [], str(exc)
+            for index, op in enumerate(parsed):
+                common = dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
+                              text=op.text, generation_id=generation_id, extractor_version=self.version)
+                if op.op == "add":
+                    ops.append(ExperienceAdded(
+                        **common, experience_id=new_experience_id(generation_id, index),
+                        task_family=trajectory.task_family, key=keys[trajectory.trajectory_id],
+                        source_trajectory_ids=(trajectory.trajectory_id,)))
+                else:
+                    target = shown_t[op.alias - 1]  # type: ignore[operator]
+                    ops.append(ExperienceRefined(
+                        **common, experience_id=target.experience_id, expected_version=target.version,
+                        source_trajectory_ids=(trajectory.trajectory_id,)))
+            added += sum(isinstance(op, ExperienceAdded) for op in ops)
+            self._publish(io, self._generation_event(
+                generation_id, "distill", trajectory.task_family, trajectory.step, (trajectory.trajectory_id,),
+                [e.ref() for e in shown_t], generation, error, ops), ops)
+        for event in self._evictions(generation_id, added):
+            self.op_kinds[event.kind] += 1
+            io.publish(event)
+        io.commit()
+        log.info("distilled %d trajectories in %.2fs with extractor version %d; parse status so far %s, ops %s",
+                 len(trajectories), seconds, self.version, dict(self.statuses), dict(self.op_kinds))
+
+    def _evictions(self, generation_id: str, pending_adds: int) -> list[ExperienceRetired]:
+        """Retire the oldest experiences while the bank (with `pending_adds` not yet applied) is over capacity; the
+        op ids derive from the batch's last generation."""
+        assert self.replica is not None
+        active = self.replica.active_experiences()
+        excess = len(active) + pending_adds - self.settings.capacity
+        return [ExperienceRetired(
+            run_id=self.run_id, producer=self.producer, op_id=eviction_op_id(generation_id, index),
+            experience_id=experience.experience_id, expected_version=experience.version, reason="capacity",
+        ) for index, experience in enumerate(active[:max(0, excess)])]
+
+    def _generation_event(self, generation_id: str, purpose: str, task_family: str, step: int,
+                          sources: tuple[str, ...], shown: list[ExperienceRef], generation: Generation,
+                          error: str | None, ops: list[Event]) -> ExtractionGenerated:
+        status = "parse_error" if error is not None else "ok" if ops else "no_op"
+        self.statuses[status] += 1
+        for op in ops:
+            self.op_kinds[op.kind] += 1
+        return ExtractionGenerated(
+            event_id=generation_event_id(generation_id), run_id=self.run_id, producer=self.producer,
+            generation_id=generation_id, extractor_version=self.version, purpose=purpose,  # type: ignore[arg-type]
+            task_family=task_family, step=step, source_trajectory_ids=sources, shown=tuple(shown),
+            prompt_token_ids=generation.prompt_token_ids, response_token_ids=generation.token_ids,
+            sampling_logprobs=generation.logprobs, response_text=generation.text,
+            parse_status=status, parse_error=error,  # type: ignore[arg-type]
+            op_ids=tuple(op.op_id for op in ops),  # type: ignore[attr-defined]
+        )
+
+    def _publish(self, io: SourceIO, generation: ExtractionGenerated, ops: list[Event]) -> None:
+        io.publish(generation)
+        for op in ops:
+            io.publish(op)
+
+    # -- merging --------------------------------------------------------------------------------------------------
+
+    def merge(self, request: MergeRequested, io: SourceIO) -> None:
+        """Consolidate every family of `request` chunk by chunk; publish as it goes, then commit."""
+        assert self.replica is not None
+        self._sync()
+        started = time.perf_counter()
+        generations = 0
+        for family in request.task_families:
+            queue = [Shown(e.experience_id, e.version, e.generation_id, e.text)
+                     for e in self.replica.active_experiences(family)]
+            carry: Shown | None = None
+            chunk = 0
+            while queue:
+                take = self.settings.merge_chunk - (carry is not None)
+                members = ([carry] if carry is not None else []) + queue[:take]
+                queue = queue[take:]
+                if len(members) < 2:
+                    break
+                generation_id = merge_generation_id(request.merge_id, family, chunk)
+                chunk += 1
+                carry = self._merge_chunk(io, request, family, generation_id, members)
+                generations += 1
+        io.commit()
+        log.info("merge %s: %d generations in %.2fs", request.merge_id, generations, time.perf_counter() - started)
+
+    def _merge_chunk(self, io: SourceIO, request: MergeRequested, family: str, generation_id: str,
+                     members: list[Shown]) -> Shown | None:
+        """One merge generation over `members`; returns what slides into the next chunk."""
+        generation = self._generate([merge_prompt(family, [m.text for m in members])])[0]
+        error = None
+        try:
+            parsed = parse_merge(generation.text, len(members), max_chars=self.settings.max_experience_chars)
+        except ParseError as exc:
+            parsed, error = [], str(exc)
+        ops: list[Event] = []
+        carry: Shown | None = None
+        merged = [op for op in parsed if op.op == "merge"]
+        keys = iter(self._keys([op.text for op in merged if op.text is not None]))
+        for index, op in enumerate(parsed):
+            chosen = [members[alias - 1] for alias in op.aliases]
+            common = dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
+                          generation_id=generation_id, extractor_version=self.version)
+            if op.op == "merge":
+                experience_id = new_experience_id(generation_id, index)
+                ops.append(ExperienceMerged(
+                    **common, experience_id=experience_id, task_family=family, text=op.text, key=next(keys),
+                    sources=tuple(VersionedExperience(experience_id=m.experience_id, expected_version=m.version)
+                                  for m in chosen)))
+                carry = Shown(experience_id, 1, generation_id, op.text or "")
+            elif op.op == "rewrite":
+                target = chosen[0]
+                ops.append(ExperienceRefined(**common, experience_id=target.experience_id,
+                                             expected_version=target.version, text=op.text))
+                carry = Shown(target.experience_id, target.version + 1, generation_id, op.text or "")
+            elif op.op == "discard":
+                ops.append(ExperienceRetired(**common, experience_id=chosen[0].experience_id,
+                                             expected_version=chosen[0].version, reason="merge_discard"))
+        self._publish(io, self._generation_event(
+            generation_id, "merge", family, request.step, (), [m.ref() for m in members], generation, error, ops),
+            ops)
+        return carry
+
+    def close(self) -> None:
+        self.follower.stop()
+        if self.replica is not None:
+            self.replica.stop()
+        if self._ends is not None:
+            self._ends.close(autocommit=False)
