@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The main job. Until the co-evolution loop lands (`crl run configs/tiny-minihack-room.yaml`), it is the backbone
-# check: an embedded broker, every topic, every event kind through Kafka, SQL, the embedding model and NLE.
+# The main job: Complementary RL end to end on the CPU default (embedded broker, every worker, live progress),
+# leaving a run directory with the archive, the bank, checkpoints, logs and report.html (about 10 minutes).
 run: venv
-	HF_HUB_OFFLINE=1 $(BIN)/crl doctor --embedded
+	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
 
 test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest

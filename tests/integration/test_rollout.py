@@ -68,7 +68,8 @@ def test_scheduler_and_rollout_play_guided_and_free_groups(kafka_bootstrap, tmp_
     env = _run_env(kafka_bootstrap, tmp_path)
     _send(kafka_bootstrap, _experiences(tmp_path.name, 3))
     log = tmp_path / "workers.log"
-    workers = [_start(name, env, log) for name in ("actor_trainer", "rollout", "scheduler")]
+    # The extractor trainer publishes the extractor's version 0, which the scheduler waits for before step 0.
+    workers = [_start(name, env, log) for name in ("actor_trainer", "extractor_trainer", "rollout", "scheduler")]
     try:
         finished = _wait_for("RunFinished", lambda: _finished(kafka), 420, log)
     finally:
@@ -155,6 +156,10 @@ def test_scheduler_killed_mid_run_continues_the_same_schedule(kafka_bootstrap, t
                    CRL_SCHEDULER__MAX_STEPS_AHEAD="0")
     log = tmp_path / "workers.log"
     answered: set[uuid.UUID] = set()
+    # Step 0 waits for the extractor's version 0 (the warm-up fills the bank); the scheduler never loads it.
+    _send(kafka_bootstrap, [PolicyPublished(run_id=tmp_path.name, producer=Producer(worker="test", instance="test-0"),
+                                            role="extractor", version=0, step=0,
+                                            checkpoint_uri="file:///nowhere", sha256="0" * 64)])
     scheduler = _start("scheduler", env, log)
     try:
         def two_steps_issued() -> bool:

@@ -1,0 +1,121 @@
+"""Does the complementary arm learn faster than GRPO at equal environment steps? (issue 6's learning benchmark)
+
+    python benchmarks/learning.py                       # 4 arms x 3 seeds x 12 steps of the CPU default (~1.5 h)
+    python benchmarks/learning.py --steps 8 --seeds 3   # what the README quotes
+    python benchmarks/learning.py --quick               # complementary and grpo, 1 seed, 3 steps (~4 min)
+
+Every run is a real `crl run configs/tiny-minihack-room.yaml --arm ARM` (embedded broker, every worker as a
+process), with `CRL_SCHEDULER__SEED`, `CRL_ROLLOUT__SEED` and `CRL_EXTRACTOR__SEED` set to the seed: the task
+draws and the sampling change with it, the fixed eval pool and the warm-started models do not (the warm starts are
+cached, so only the first run pays for them). Runs go one after another (2 cores).
+
+From each run's archive: per step, the train success and the cumulative environment steps (actions taken by train
+episodes). Arms are compared at equal environment steps: the budget is the smallest total any run reached, and an
+arm's success is that of its train episodes after the warm-up, in steps that ended within the budget, pooled over
+its seeds. Prints `success_<arm>=`, `eval_success_<arm>=` (last evaluation, free and guided slots pooled),
+`env_steps_<arm>=`, `complementary_vs_grpo=` and `complementary_vs_static_extractor=`, then the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ARMS = ("complementary", "grpo", "static_extractor", "exp_only")
+CONFIG = ROOT / "configs" / "tiny-minihack-room.yaml"
+
+
+def run_arm(arm: str, seed: int, steps: int, run_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__SEED": str(seed), "CRL_ROLLOUT__SEED": str(seed),
+                "CRL_EXTRACTOR__SEED": str(seed)})
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--arm", arm, "--steps",
+                             str(steps), "--run-dir", str(run_dir), "--no-report"], env=env, cwd=ROOT,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{arm} seed {seed} failed ({result.returncode}):\n{result.stdout[-3000:]}"
+                         f"\n{result.stderr[-3000:]}")
+    print(f"# {arm} seed {seed}: {time.monotonic() - started:.0f}s ({run_dir})", flush=True)
+
+
+def curve(run_dir: Path) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
+    """Per train step (step, cumulative env steps, successes, episodes), and the last eval (successes, episodes)."""
+    from pipeline.audit import Audit
+
+    with Audit(run_dir) as audit:
+        rows = audit.query("SELECT step, sum(num_actions), sum(success::INT), count(*) FROM trajectories "
+                           "WHERE split = 'train' GROUP BY step ORDER BY step")[1]
+        evaluation = audit.query("SELECT sum(success::INT), count(*) FROM trajectories WHERE split = 'eval' AND "
+                                 "step = (SELECT max(step) FROM trajectories WHERE split = 'eval')")[1][0]
+    points, total = [], 0
+    for step, actions, successes, episodes in rows:
+        total += int(actions)
+        points.append((int(step), total, int(successes), int(episodes)))
+    return points, (int(evaluation[0] or 0), int(evaluation[1] or 0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--out", type=Path, default=None, help="Directory for the runs (default runs/learning-*).")
+    parser.add_argument("--quick", action="store_true", help="complementary and grpo, 1 seed, 3 steps.")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.seeds, args.arms = 3, 1, ["complementary", "grpo"]
+    out = args.out or ROOT / "runs" / f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
+    from pipeline.settings import Settings
+
+    warmup = Settings(config=CONFIG).actor_trainer.warmup_steps
+    curves: dict[str, list] = {arm: [] for arm in args.arms}
+    evals: dict[str, list[tuple[int, int]]] = {arm: [] for arm in args.arms}
+    for seed in range(args.seeds):
+        for arm in args.arms:
+            run_dir = out / f"{arm}-s{seed}"
+            if not (run_dir / "archive").exists():
+                run_arm(arm, seed, args.steps, run_dir)
+            points, evaluation = curve(run_dir)
+            curves[arm].append(points)
+            evals[arm].append(evaluation)
+    budget = min(points[-1][1] for runs in curves.values() for points in runs)
+    print(f"steps={args.steps}")
+    print(f"seeds={args.seeds}")
+    print(f"env_step_budget={budget}")
+    success: dict[str, float] = {}
+    for arm in args.arms:
+        wins = episodes = 0
+        for points in curves[arm]:
+            for step, env_steps, successes, count in points:
+                if step >= warmup and env_steps <= budget:
+                    wins, episodes = wins + successes, episodes + count
+        success[arm] = wins / episodes if episodes else float("nan")
+        eval_wins, eval_episodes = map(sum, zip(*evals[arm]))
+        print(f"success_{arm}={success[arm]:.4f}")
+        print(f"eval_success_{arm}={eval_wins / eval_episodes if eval_episodes else float('nan'):.4f}")
+        print(f"env_steps_{arm}={sum(points[-1][1] for points in curves[arm]) / len(curves[arm]):.0f}")
+    for other in ("grpo", "static_extractor"):
+        if "complementary" in success and other in success and success[other] > 0:
+            print(f"complementary_vs_{other}={success['complementary'] / success[other]:.4f}")
+    print("# success per step (pooled over seeds), with mean cumulative env steps")
+    for arm in args.arms:
+        cells = []
+        for index in range(min(len(points) for points in curves[arm])):
+            rows = [points[index] for points in curves[arm]]
+            env_steps = sum(r[1] for r in rows) / len(rows)
+            cells.append(f"s{rows[0][0]}:{sum(r[2] for r in rows) / sum(r[3] for r in rows):.2f}@{env_steps:.0f}")
+        print(f"# {arm:17s} " + " ".join(cells))
+    print(f"# runs in {out}; compare them with: crl report {' '.join(str(out / f'{a}-s0') for a in args.arms)} "
+          f"--out {out / 'report'}")
+
+
+if __name__ == "__main__":
+    main()

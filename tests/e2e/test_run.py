@@ -1,0 +1,107 @@
+"""`crl run` end to end on the CPU default config: every worker as a subprocess on an embedded broker, then the run
+is replayed, audited and reported from what it left in its run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.audit import Audit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+CRL = [sys.executable, "-m", "pipeline.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CRL, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], str]:
+    run_dir = tmp_path_factory.mktemp("e2e") / "tiny"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    # Three steps (two warm-up steps fill the bank, the third is guided), with a merge after step 1.
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2"})
+    result = _crl("run", "configs/tiny-minihack-room.yaml", "--steps", "3", "--run-dir", str(run_dir), env=env,
+                  timeout=1200)
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        pytest.fail(f"crl run exited {result.returncode}:\n{output[-5000:]}\n{logs}")
+    return run_dir, env, output
+
+
+def test_the_run_completes_and_points_at_what_to_do_next(finished_run):
+    run_dir, _env, output = finished_run
+    assert "completed" in output
+    assert f"crl replay bank {run_dir}" in output and f"crl audit experience {run_dir}" in output
+    assert not (run_dir / "broker.json").exists(), "the broker was stopped and its address file removed"
+    for name in ("archive", "checkpoints", "logs", "metrics", "bank/snapshots", "report"):
+        assert (run_dir / name).is_dir(), name
+    assert (run_dir / "crl.sqlite3").is_file()
+    assert any((run_dir / "bank" / "snapshots").iterdir()), "the bank wrote a snapshot (every 25 ops)"
+
+
+def test_the_log_holds_the_whole_loop(finished_run):
+    run_dir, _env, _output = finished_run
+    with Audit(run_dir) as audit:
+        def one(sql: str) -> object:
+            return audit.query(sql)[1][0][0]
+
+        config = json.loads(one("SELECT config FROM run_started"))
+        assert config["actor_trainer"]["warm_start"]["steps"] > 0  # the warm starts are recorded switches
+        assert config["extractor_trainer"]["warm_start"]["steps"] > 0
+        assert one("SELECT status FROM run_finished") == "completed"
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 3 * 16
+        # step 2 is guided: half of each group, each served an experience distilled from steps 0 and 1
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step = 2 AND guided") == 8
+        assert one("SELECT count(*) FROM trajectories WHERE step = 2 AND guided AND split = 'train' "
+                   "AND served = '[]'") == 0
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step < 2 AND guided") == 0
+        # every train trajectory was distilled once, and the merge after step 1 ran
+        assert one("SELECT count(*) FROM extraction_generated WHERE purpose = 'distill'") == 48
+        assert one("SELECT count(*) FROM extraction_generated WHERE purpose = 'merge'") >= 1
+        assert one("SELECT count(*) FROM extraction_generated WHERE parse_status = 'ok'") >= 24
+        assert one("SELECT count(*) FROM experience_added") >= 16
+        assert one("SELECT count(*) FROM experience_refined") >= 1
+        assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 1  # step 2; 0 and 1 are warm-up
+        assert one("SELECT count(*) FROM policy_versions WHERE role = 'extractor'") >= 1
+
+
+def test_replays_match_the_live_run(finished_run):
+    run_dir, env, _output = finished_run
+    bank = _crl("replay", "bank", str(run_dir), env=env)
+    assert bank.returncode == 0, bank.stdout + bank.stderr
+    assert "live SQL bank" in bank.stdout and "snapshot" in bank.stdout and "NO" not in bank.stdout
+    train = _crl("replay", "train", str(run_dir), env=env, timeout=600)
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert "actor: 1 steps replayed, every weight hash matches" in train.stdout
+
+
+def test_an_experience_with_two_versions_can_be_audited(finished_run):
+    run_dir, env, _output = finished_run
+    with Audit(run_dir) as audit:
+        rows = audit.query("SELECT experience_id FROM experience_history GROUP BY experience_id "
+                           "HAVING max(version) >= 2 ORDER BY experience_id")[1]
+    assert rows, "no refine was applied: no experience has a second version"
+    audited = _crl("audit", "experience", str(run_dir), rows[0][0], env=env)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
+    assert "v1  ExperienceAdded" in audited.stdout and "v2  ExperienceRefined" in audited.stdout
+
+
+def test_the_report_is_written(finished_run, tmp_path):
+    run_dir, env, _output = finished_run
+    report = run_dir / "report"
+    assert (report / "report.html").exists()
+    pngs = sorted(report.glob("*.png"))
+    assert len(pngs) >= 5 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    again = _crl("report", str(run_dir), "--out", str(tmp_path / "again"), env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (tmp_path / "again" / "report.html").exists()
