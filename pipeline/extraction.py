@@ -32,10 +32,11 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from schemas.trajectories import TrajectoryCompleted
 
+T = TypeVar("T")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_STOP = "</answer>"
 DISTILL_INSTRUCTION = "Lessons as ops, at most {max_ops}, in <answer>[...]</answer>:"
@@ -217,6 +218,12 @@ def render_answer(ops: Sequence[dict], reasoning: str = "") -> str:
     """An answer in the format the parsers accept (what the rule-based summariser writes)."""
     body = json.dumps(list(ops), ensure_ascii=False)
     return f"{reasoning}<answer>{body}</answer>"
+
+
+def capacity_evictions(active_oldest_first: Sequence[T], pending_adds: int, capacity: int) -> list[T]:
+    """What FIFO eviction retires: the oldest active experiences beyond `capacity`, counting adds not yet applied."""
+    excess = len(active_oldest_first) + pending_adds - capacity
+    return list(active_oldest_first[:max(0, excess)])
 
 
 # -- ids ------------------------------------------------------------------------------------------------------------

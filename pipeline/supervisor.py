@@ -8,7 +8,8 @@ What it does, in order:
    writes `broker.json` into the run directory; creates every topic;
 2. starts every worker the arm needs as a `crl worker` subprocess (`launch.rollout_workers` rollout and
    `launch.extractor_workers` extractor instances; the `grpo` arm has no bank, extractor or extractor trainer), each
-   in its own session so a terminal Ctrl-C reaches only this process, each with its log under `logs/`;
+   in its own session so a terminal Ctrl-C reaches only this process, each with its log under `logs/` (pids in
+   `workers.json`);
 3. follows every topic from offset 0 and shows the run live: step, success of guided and free episodes, evaluation,
    bank size (the op log applied with the bank's own rules), op mix, parse statuses, extractor reward, and per worker
    its state, restarts, events and lag (from the metrics every worker writes under `metrics/`);
@@ -314,6 +315,15 @@ class RunSupervisor:
             )
         finally:
             output.close()
+        self._write_process_table()
+
+    def _write_process_table(self) -> None:
+        """`workers.json`: every worker's kind, pid and restarts, for a person (or a test) who wants to poke one."""
+        table = {w.instance: {"kind": w.kind, "pid": w.process.pid if w.process else None, "restarts": w.restarts}
+                 for w in self.workers}
+        path = self.run_dir / "workers.json"
+        path.with_suffix(".tmp").write_text(json.dumps(table, indent=1))
+        path.with_suffix(".tmp").replace(path)
 
     # -- watching -------------------------------------------------------------------------------------------------
 

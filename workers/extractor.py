@@ -42,6 +42,7 @@ from pipeline.extraction import (
     ANSWER_STOP,
     ParseError,
     TrajectoryDigest,
+    capacity_evictions,
     distill_generation_id,
     distill_prompt,
     eviction_op_id,
@@ -285,12 +286,11 @@ class Extractor(Source):
         """Retire the oldest experiences while the bank (with `pending_adds` not yet applied) is over capacity; the
         op ids derive from the batch's last generation."""
         assert self.replica is not None
-        active = self.replica.active_experiences()
-        excess = len(active) + pending_adds - self.settings.capacity
+        evicted = capacity_evictions(self.replica.active_experiences(), pending_adds, self.settings.capacity)
         return [ExperienceRetired(
             run_id=self.run_id, producer=self.producer, op_id=eviction_op_id(generation_id, index),
             experience_id=experience.experience_id, expected_version=experience.version, reason="capacity",
-        ) for index, experience in enumerate(active[:max(0, excess)])]
+        ) for index, experience in enumerate(evicted)]
 
     def _generation_event(self, generation_id: str, purpose: str, task_family: str, step: int,
                           sources: tuple[str, ...], shown: list[ExperienceRef], generation: Generation,

@@ -9,6 +9,7 @@ from pipeline.extraction import (
     MergeOp,
     ParseError,
     TrajectoryDigest,
+    capacity_evictions,
     distill_generation_id,
     distill_prompt,
     merge_prompt,
@@ -138,3 +139,11 @@ def test_data_episodes_and_samples_are_deterministic_and_labelled_by_the_solver(
     for prompt, answer in samples[:6]:
         shown = 1 if "Experiences shown:\n[1]" in prompt else 0
         assert parse_distill(answer, shown, max_ops=3, max_chars=400)
+
+
+def test_capacity_evicts_the_oldest_beyond_the_cap_counting_pending_adds():
+    oldest_first = ["e1", "e2", "e3", "e4"]
+    assert capacity_evictions(oldest_first, pending_adds=0, capacity=4) == []
+    assert capacity_evictions(oldest_first, pending_adds=2, capacity=4) == ["e1", "e2"]
+    assert capacity_evictions(oldest_first, pending_adds=0, capacity=1) == ["e1", "e2", "e3"]
+    assert capacity_evictions([], pending_adds=5, capacity=3) == []  # what is not applied yet cannot be retired

@@ -1,0 +1,90 @@
+"""`crl run` supervises its workers: a killed worker is restarted and the run completes; Ctrl-C stops the run
+cleanly, with everything recorded archived. The grpo arm keeps these runs short (no bank, no extractor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.audit import Audit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _start(run_dir: Path, steps: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__EVAL_EVERY": "0"})
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny-minihack-room.yaml",
+                             "--arm", "grpo", "--steps", str(steps), "--run-dir", str(run_dir), "--no-report"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_log(run_dir: Path, instance: str, text: str, process: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    log = run_dir / "logs" / f"{instance}.log"
+    while time.monotonic() < deadline:
+        if log.exists() and text in log.read_text():
+            return
+        if process.poll() is not None:
+            pytest.fail(f"crl run exited {process.returncode} early:\n{process.stdout.read()[-3000:]}")  # type: ignore[union-attr]
+        time.sleep(0.5)
+    process.kill()
+    pytest.fail(f"{instance} never logged {text!r} in {timeout}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start(run_dir, steps=3)
+    _wait_for_log(run_dir, "rollout-0", "rollout metrics over", process, 300)  # mid-run, episodes in flight
+    pid = json.loads((run_dir / "workers.json").read_text())["rollout-0"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert "rollout-0 exited with code -9; restart 1 of 3" in output
+    table = json.loads((run_dir / "workers.json").read_text())
+    assert table["rollout-0"]["restarts"] == 1 and table["rollout-0"]["pid"] != pid
+    with Audit(run_dir) as audit:
+        _, rows = audit.query("SELECT count(DISTINCT trajectory_id), min(step), max(step) FROM trajectories "
+                              "WHERE split = 'train'")
+        assert rows == [(3 * 16, 0, 2)]  # every episode of every step, the re-played ones once
+        assert audit.query("SELECT status FROM run_finished")[1] == [("completed",)]
+    assert not any(_alive(w["pid"]) for w in table.values())
+
+
+def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start(run_dir, steps=20)
+    _wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 300)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 130, output[-4000:]
+    assert "stopping the run: interrupted (Ctrl-C)" in output
+    with Audit(run_dir) as audit:
+        assert audit.query("SELECT status, reason FROM run_finished")[1] == [("stopped", "interrupted (Ctrl-C)")]
+        archived = audit.query("SELECT count(*) FROM trajectory_completed")[1][0][0]
+        trained = audit.query("SELECT count(*) FROM train_steps WHERE role = 'actor'")[1][0][0]
+    assert archived >= 32 and trained >= 1
+    # every worker stopped on the supervisor's SIGTERM, after finishing and committing what it had
+    for log in (run_dir / "logs").glob("*-0.log"):
+        text = log.read_text()
+        assert "stopped (SIGTERM)" in text or "stopped (finished)" in text, log.name
+    table = json.loads((run_dir / "workers.json").read_text())
+    assert not any(_alive(w["pid"]) for w in table.values())
+    assert not (run_dir / "broker.json").exists()
