@@ -60,6 +60,8 @@ class PolicyFollower:
         self._changed = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self.refused: set[int] = set()
+        """Versions whose checkpoint failed its sha256 check."""
 
     def start(self) -> PolicyFollower:
         self._thread = threading.Thread(target=self._tail, name=f"policy-follower-{self.role}", daemon=True)
@@ -76,6 +78,28 @@ class PolicyFollower:
             raise RuntimeError(f"the policy follower stopped: {self.failure}") from self.failure
         with self._lock:
             return self._newest
+
+    def newer_than(self, version: int) -> PolicyPublished | None:
+        """The newest event if its version is above `version` and was not refused."""
+        newest = self.newest()
+        if newest is None or newest.version <= version or newest.version in self.refused:
+            return None
+        return newest
+
+    def load(self, event: PolicyPublished, backend: str, device: str = "cpu", *, micro_batch_size: int = 8,
+             seed: int = 0, keeping: int = -1) -> PolicyModel | None:
+        """`load_published`, timed and logged; a version whose checkpoint fails its sha256 check is remembered in
+        `refused` (never offered again by `newer_than`) and None is returned: the caller keeps version `keeping`."""
+        started = time.perf_counter()
+        try:
+            policy = load_published(event, backend, device, micro_batch_size=micro_batch_size, seed=seed)
+        except CheckpointError as exc:
+            self.refused.add(event.version)
+            log.error("%s version %d refused (%s); keeping version %d", self.role, event.version, exc, keeping)
+            return None
+        log.info("%s version %d loaded in %.2fs (sha256 %s checked)", self.role, event.version,
+                 time.perf_counter() - started, event.sha256[:12])
+        return policy
 
     def wait_for(self, version: int, timeout_s: float) -> PolicyPublished | None:
         """The newest event once its version is at least `version`, or None after `timeout_s`."""

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from infra.admin import high_watermarks
 from infra.kafka import make_consumer
-from pipeline.errors import CheckpointError
 from pipeline.extraction import (
     ANSWER_STOP,
     ParseError,
@@ -55,7 +54,7 @@ from pipeline.extraction import (
 )
 from pipeline.launch import WorkerContext
 from pipeline.models.base import Generation, PolicyModel, SamplingParams
-from pipeline.policy_follower import PolicyFollower, load_published
+from pipeline.policy_follower import PolicyFollower
 from pipeline.runner import Source, SourceIO
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
@@ -115,7 +114,6 @@ class Extractor(Source):
             top_p=self.settings.top_p, top_k=self.settings.top_k, stop=(ANSWER_STOP,))
         self.policy: PolicyModel | None = None
         self.version = -1
-        self.bad_versions: set[int] = set()
         self.calls = 0
         self.replica = None
         self.encoder = None
@@ -181,20 +179,14 @@ class Extractor(Source):
         return self.settings.distill == "all" or trajectory.guided
 
     def _follow_policy(self) -> None:
-        newest = self.follower.newest()
-        if newest is None or newest.version <= self.version or newest.version in self.bad_versions:
+        newer = self.follower.newer_than(self.version)
+        if newer is None:
             return
-        started = time.perf_counter()
-        try:
-            policy = load_published(newest, self.settings.backend, self.settings.device,
-                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base)
-        except CheckpointError as exc:
-            self.bad_versions.add(newest.version)
-            log.error("extractor version %d refused (%s); keeping version %d", newest.version, exc, self.version)
-            return
-        self.policy, self.version = policy, newest.version
-        log.info("extractor version %d loaded in %.2fs (sha256 %s checked)", newest.version,
-                 time.perf_counter() - started, newest.sha256[:12])
+        policy = self.follower.load(newer, self.settings.backend, self.settings.device,
+                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base,
+                                    keeping=self.version)
+        if policy is not None:
+            self.policy, self.version = policy, newer.version
 
     def _generate(self, prompts: list[str]) -> list[Generation]:
         assert self.policy is not None

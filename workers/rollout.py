@@ -27,14 +27,12 @@ and added to the episode's served refs (so it is credited like the first one).
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from collections import deque
 
 from pipeline.episode_metrics import episode_metrics, summary_line
-from pipeline.errors import CheckpointError
 from pipeline.launch import WorkerContext
-from pipeline.policy_follower import PolicyFollower, load_published
+from pipeline.policy_follower import PolicyFollower
 from pipeline.rollout import EpisodePlayer
 from pipeline.runner import Origin, Source, SourceIO
 from pipeline.transport import Position
@@ -62,7 +60,6 @@ class Rollout(Source):
                                     temperature=context.settings.actor_trainer.temperature, run_id=self.run_id,
                                     producer=Producer(worker=self.name, instance=context.instance),
                                     seed=self.seed_base)
-        self.bad_versions: set[int] = set()
         self.queue: deque[tuple[EpisodeAssigned, Origin]] = deque()
         self.finished_window: list[TrajectoryCompleted] = []
         self._replica = None
@@ -104,10 +101,7 @@ class Rollout(Source):
                     self._log_metrics(finished)
 
     def _newer_version(self) -> PolicyPublished | None:
-        newest = self.follower.newest()
-        if newest is None or newest.version <= self.player.version or newest.version in self.bad_versions:
-            return None
-        return newest
+        return self.follower.newer_than(self.player.version)
 
     def _follow_policy(self) -> None:
         newer = self._newer_version()
@@ -115,17 +109,11 @@ class Rollout(Source):
             self._load(newer)
 
     def _load(self, event: PolicyPublished) -> None:
-        started = time.perf_counter()
-        try:
-            policy = load_published(event, self.settings.backend, self.settings.device,
-                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base)
-        except CheckpointError as exc:
-            self.bad_versions.add(event.version)
-            log.error("actor version %d refused (%s); keeping version %d", event.version, exc, self.player.version)
-            return
-        self.player.policy, self.player.version = policy, event.version
-        log.info("actor version %d loaded in %.2fs (sha256 %s checked)", event.version,
-                 time.perf_counter() - started, event.sha256[:12])
+        policy = self.follower.load(event, self.settings.backend, self.settings.device,
+                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base,
+                                    keeping=self.player.version)
+        if policy is not None:
+            self.player.policy, self.player.version = policy, event.version
 
     def _admit(self) -> None:
         if self.player.policy is None or self._newer_version() is not None:

@@ -8,7 +8,8 @@ import pytest
 from pipeline.errors import CheckpointError
 from pipeline.models import TinyModelSettings, build_tiny, save_checkpoint
 from pipeline.models.checkpoints import checkpoint_path
-from pipeline.policy_follower import load_published
+from infra.kafka import KafkaSettings
+from pipeline.policy_follower import PolicyFollower, load_published
 from schemas.base import Producer
 from schemas.training import PolicyPublished
 
@@ -59,11 +60,12 @@ def test_the_rollout_worker_keeps_its_version_when_a_new_one_is_refused(publishe
 
     rollout = Rollout.__new__(Rollout)
     rollout.settings = type("S", (), {"backend": "transformers", "device": "cpu", "generation_micro_batch": 8})()
-    rollout.seed_base, rollout.bad_versions = 0, set()
+    rollout.seed_base = 0
+    rollout.follower = PolicyFollower(KafkaSettings(bootstrap_servers="127.0.0.1:1"), "actor")  # never started
     rollout.player = EpisodePlayer.__new__(EpisodePlayer)
     rollout.player.policy, rollout.player.version = "the policy it had", 0
     rollout._load(published.model_copy(update={"sha256": "f" * 64}))
     assert rollout.player.version == 0 and rollout.player.policy == "the policy it had"
-    assert rollout.bad_versions == {1}
+    assert rollout.follower.refused == {1}
     rollout._load(published)
     assert rollout.player.version == 1 and rollout.player.policy != "the policy it had"
