@@ -367,8 +367,9 @@ def run(
     some = next((e.experience_id for e in progress.bank.experiences.values() if len(e.history) > 1), None) or \
         next(iter(progress.bank.experiences), "EXPERIENCE_ID")
     console.print("next:", highlight=False)
-    for line in (f"crl replay bank {settings.run_dir}", f"crl replay train {settings.run_dir}",
-                 f"crl bank show {settings.run_dir}", f"crl audit experience {settings.run_dir} {some}",
+    bank_lines = [f"crl replay bank {settings.run_dir}", f"crl bank show {settings.run_dir}",
+                  f"crl audit experience {settings.run_dir} {some}"] if settings.scheduler.arm != "grpo" else []
+    for line in (*bank_lines, f"crl replay train {settings.run_dir}",
                  f"crl audit sql {settings.run_dir} \"SELECT step, guided, avg(success::INT) FROM trajectories "
                  "WHERE split = 'train' GROUP BY ALL ORDER BY ALL\"",
                  f"crl report {settings.run_dir} runs/OTHER --out runs/compare"):
