@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(run_dir: Path, steps: int) -> subprocess.Popen[str]:
+def _start(run_dir: Path, steps: int, **extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__EVAL_EVERY": "0"})
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__EVAL_EVERY": "0", **extra})
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny-minihack-room.yaml",
                              "--arm", "grpo", "--steps", str(steps), "--run-dir", str(run_dir), "--no-report"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -88,3 +88,19 @@ def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
     table = json.loads((run_dir / "workers.json").read_text())
     assert not any(_alive(w["pid"]) for w in table.values())
     assert not (run_dir / "broker.json").exists()
+
+
+def test_crl_run_uses_the_kafka_it_is_given(kafka_bootstrap, tmp_path):
+    from infra.kafka import KafkaSettings
+    from pipeline.training import read_to_end
+    from schemas.runs import RunFinished
+    from schemas.topics import RUNS
+
+    run_dir = tmp_path / "run"
+    process = _start(run_dir, steps=2, CRL_KAFKA__BOOTSTRAP_SERVERS=kafka_bootstrap)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert not (run_dir / "logs" / "broker.log").exists(), "no embedded broker is started for a given Kafka"
+    finished = [e for e in read_to_end(KafkaSettings(bootstrap_servers=kafka_bootstrap), RUNS)
+                if isinstance(e, RunFinished)]
+    assert [(e.run_id, e.status) for e in finished] == [("run", "completed")]  # the log stays on that broker
