@@ -11,8 +11,9 @@ cached, so only the first run pays for them). Runs go one after another (2 cores
 
 From each run's archive: per step, the train success and the cumulative environment steps (actions taken by train
 episodes). Arms are compared at equal environment steps: the budget is the smallest total any run reached, and an
-arm's success is that of its train episodes after the warm-up, in steps that ended within the budget, pooled over
-its seeds. Prints `success_<arm>=`, `eval_success_<arm>=` (last evaluation, free and guided slots pooled),
+arm's success is that of its train episodes after the warm-up, in steps that started within the budget, pooled over
+its seeds. Prints `success_<arm>=`, `eval_first_<arm>=` and `eval_success_<arm>=` (the first and the last
+evaluation on the fixed eval pool, free and guided slots pooled, over seeds),
 `env_steps_<arm>=`, `complementary_vs_grpo=` and `complementary_vs_static_extractor=`, then the curves.
 """
 
@@ -46,20 +47,22 @@ def run_arm(arm: str, seed: int, steps: int, run_dir: Path) -> None:
     print(f"# {arm} seed {seed}: {time.monotonic() - started:.0f}s ({run_dir})", flush=True)
 
 
-def curve(run_dir: Path) -> tuple[list[tuple[int, int, int, int]], tuple[int, int]]:
-    """Per train step (step, cumulative env steps, successes, episodes), and the last eval (successes, episodes)."""
+def curve(run_dir: Path) -> tuple[list[tuple[int, int, int, int]], tuple[int, int], tuple[int, int]]:
+    """Per train step (step, cumulative env steps, successes, episodes), and the first and the last evaluation
+    (successes, episodes) on the fixed eval pool."""
     from pipeline.audit import Audit
 
     with Audit(run_dir) as audit:
         rows = audit.query("SELECT step, sum(num_actions), sum(success::INT), count(*) FROM trajectories "
                            "WHERE split = 'train' GROUP BY step ORDER BY step")[1]
-        evaluation = audit.query("SELECT sum(success::INT), count(*) FROM trajectories WHERE split = 'eval' AND "
-                                 "step = (SELECT max(step) FROM trajectories WHERE split = 'eval')")[1][0]
+        evaluations = audit.query("SELECT step, sum(success::INT), count(*) FROM trajectories WHERE split = 'eval' "
+                                  "GROUP BY step ORDER BY step")[1]
     points, total = [], 0
     for step, actions, successes, episodes in rows:
         total += int(actions)
         points.append((int(step), total, int(successes), int(episodes)))
-    return points, (int(evaluation[0] or 0), int(evaluation[1] or 0))
+    first, last = evaluations[0], evaluations[-1]
+    return points, (int(first[1]), int(first[2])), (int(last[1]), int(last[2]))
 
 
 def main() -> None:
@@ -77,15 +80,17 @@ def main() -> None:
 
     warmup = Settings(config=CONFIG).actor_trainer.warmup_steps
     curves: dict[str, list] = {arm: [] for arm in args.arms}
+    first_evals: dict[str, list[tuple[int, int]]] = {arm: [] for arm in args.arms}
     evals: dict[str, list[tuple[int, int]]] = {arm: [] for arm in args.arms}
     for seed in range(args.seeds):
         for arm in args.arms:
             run_dir = out / f"{arm}-s{seed}"
             if not (run_dir / "archive").exists():
                 run_arm(arm, seed, args.steps, run_dir)
-            points, evaluation = curve(run_dir)
+            points, first, last = curve(run_dir)
             curves[arm].append(points)
-            evals[arm].append(evaluation)
+            first_evals[arm].append(first)
+            evals[arm].append(last)
     budget = min(points[-1][1] for runs in curves.values() for points in runs)
     print(f"steps={args.steps}")
     print(f"seeds={args.seeds}")
@@ -94,13 +99,16 @@ def main() -> None:
     for arm in args.arms:
         wins = episodes = 0
         for points in curves[arm]:
+            before = 0
             for step, env_steps, successes, count in points:
-                if step >= warmup and env_steps <= budget:
+                if step >= warmup and before < budget:
                     wins, episodes = wins + successes, episodes + count
+                before = env_steps
         success[arm] = wins / episodes if episodes else float("nan")
-        eval_wins, eval_episodes = map(sum, zip(*evals[arm]))
         print(f"success_{arm}={success[arm]:.4f}")
-        print(f"eval_success_{arm}={eval_wins / eval_episodes if eval_episodes else float('nan'):.4f}")
+        for name, table in (("eval_first", first_evals), ("eval_success", evals)):
+            wins, count = map(sum, zip(*table[arm]))
+            print(f"{name}_{arm}={wins / count if count else float('nan'):.4f}")
         print(f"env_steps_{arm}={sum(points[-1][1] for points in curves[arm]) / len(curves[arm]):.0f}")
     for other in ("grpo", "static_extractor"):
         if "complementary" in success and other in success and success[other] > 0:
