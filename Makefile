@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The main job: Complementary RL end to end on the CPU default (embedded broker, every worker, live progress),
-# leaving a run directory with the archive, the bank, checkpoints, logs and report.html (7-12 minutes the first time, 3-5 once the warm starts are cached).
+# leaving a run directory with the archive, the bank, checkpoints, logs and report.html (~6.5 minutes the first time, 3-5 once the warm starts are cached).
 run: venv
 	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
 
