@@ -179,7 +179,7 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
             logprobs = policy.token_logprobs([p for p, _ in chunk], [r for _, r in chunk])
             loss = -torch.cat(logprobs).sum() / tokens
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
         optimizer.step()
         losses.append(total)
