@@ -199,7 +199,6 @@ class WorkerProcess:
     instance: str
     process: subprocess.Popen | None = None
     restarts: int = 0
-    exit_codes: list[int] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
@@ -288,8 +287,7 @@ class RunSupervisor:
             admin.close()
 
     def _environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-        env.update({k: v for k, v in os.environ.items() if k.startswith("CRL_") and k != "CRL_CONFIG"})
+        env = {k: v for k, v in os.environ.items() if k != "CRL_CONFIG"}  # CRL_* overrides reach the workers
         env.update(self.env_overrides)
         env.update({
             "CRL_CONFIG": str(self.config.resolve()),
@@ -387,9 +385,6 @@ class RunSupervisor:
             code = worker.process.poll() if worker.process is not None else None
             if code is None or (finished and code == 0) or (worker.kind == "scheduler" and code == 0):
                 continue  # running, or done with the run
-            if worker.exit_codes and len(worker.exit_codes) > worker.restarts:
-                continue  # already counted; waiting for the stop
-            worker.exit_codes.append(code)
             if worker.restarts >= self.settings.launch.max_restarts:
                 if not self.stop_sent:
                     self._request_stop(f"{worker.instance} crashed {worker.restarts + 1} times")

@@ -234,22 +234,24 @@ class Extractor(Source):
         started = time.perf_counter()
         generations = self._generate(prompts)
         seconds = time.perf_counter() - started
+        parsed_all: list[tuple[list, str | None]] = []
+        for shown_t, generation in zip(shown, generations, strict=True):
+            try:
+                parsed_all.append((parse_distill(generation.text, len(shown_t), max_ops=s.max_ops,
+                                                 max_chars=s.max_experience_chars), None))
+            except ParseError as exc:
+                parsed_all.append(([], str(exc)))
         from pipeline.retrieval import query_text
 
-        keys = dict(zip(
-            [t.trajectory_id for t in trajectories],
-            self._keys([query_text(t.goal, t.turns[0].observation if t.turns else "") for t in trajectories]),
-        ))
+        # Keys only for trajectories that add an experience: one encode call for the batch.
+        adding = [t for t, (parsed, _) in zip(trajectories, parsed_all) if any(op.op == "add" for op in parsed)]
+        keys = dict(zip([t.trajectory_id for t in adding], self._keys(
+            [query_text(t.goal, t.turns[0].observation if t.turns else "") for t in adding])))
         added = 0
-        for trajectory, shown_t, generation in zip(trajectories, shown, generations, strict=True):
+        for trajectory, shown_t, generation, (parsed, error) in zip(trajectories, shown, generations, parsed_all,
+                                                                   strict=True):
             generation_id = distill_generation_id(self.run_id, trajectory.trajectory_id)
             ops: list[Event] = []
-            error = None
-            try:
-                parsed = parse_distill(generation.text, len(shown_t), max_ops=s.max_ops,
-                                       max_chars=s.max_experience_chars)
-            except ParseError as exc:
-                parsed, error = [], str(exc)
             for index, op in enumerate(parsed):
                 common = dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
                               text=op.text, generation_id=generation_id, extractor_version=self.version)
