@@ -5,9 +5,10 @@
 
 A synthetic op log (`pipeline.bank.synthetic`: adds, refines, merges, retires, stale refines and re-published ops,
 384-d embedding-like keys) is encoded to wire bytes first. The replay then does what `crl replay bank` and a
-restarted replica do: decode every record, apply it to the state machine, and build the index once from the final
-active vectors in canonical order (HNSW above 10,000 per family). The baseline adds every key vector of the log (one
-per add and merge op) to one USearch f16 cosine index, single-threaded, in one batch call.
+restarted replica do: decode every record, apply it to the state machine (with the garbage collector paused, as
+`crl replay bank` does), and build the index once from the final active vectors in canonical order (HNSW above 10,000 per family). The baseline adds every key vector of the log (one
+per add and merge op) to one USearch cosine index with the bank index's graph settings (i8, connectivity 16,
+expansion_add 128), single-threaded, in one batch call.
 
 Prints per size (`ops_100000_...`) and, for the largest size run:
 - `replay_ops_per_s`: ops per second of the whole replay (decode + apply + index build);
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from usearch.index import Index  # noqa: E402
 
 from pipeline.bank.index import ExperienceIndex  # noqa: E402
+from pipeline.bank.replay import collector_paused  # noqa: E402
 from pipeline.bank.state import BankState  # noqa: E402
 from pipeline.bank.synthetic import iter_synthetic_ops  # noqa: E402
 from schemas.codec import decode, encode  # noqa: E402
@@ -46,20 +48,22 @@ def measure(count: int) -> dict[str, float]:
 
     state = BankState()
     decode_s = apply_s = 0.0
-    for offset, data in enumerate(wire):
+    with collector_paused():  # as `crl replay bank` runs (pipeline.bank.replay.replay)
+        for offset, data in enumerate(wire):
+            started = time.perf_counter()
+            op = decode(EXPERIENCE_OPS_TOPIC, data)
+            decoded = time.perf_counter()
+            state.apply(op, offset)  # type: ignore[arg-type]
+            apply_s += time.perf_counter() - decoded
+            decode_s += decoded - started
         started = time.perf_counter()
-        op = decode(EXPERIENCE_OPS_TOPIC, data)
-        decoded = time.perf_counter()
-        state.apply(op, offset)  # type: ignore[arg-type]
-        apply_s += time.perf_counter() - decoded
-        decode_s += decoded - started
-    started = time.perf_counter()
-    index = ExperienceIndex.build(((e.experience_id, e.task_family, e.key) for e in state.active()),
-                                  dim=state.key_dim or 384)
-    index_s = time.perf_counter() - started
+        index = ExperienceIndex.build(((e.experience_id, e.task_family, e.key) for e in state.active()),
+                                      dim=state.key_dim or 384)
+        index_s = time.perf_counter() - started
 
     matrix = np.stack(vectors)
-    raw = Index(ndim=matrix.shape[1], metric="cos", dtype="f16")
+    raw = Index(ndim=matrix.shape[1], metric="cos", dtype=index.graph_dtype, connectivity=index.connectivity,
+                expansion_add=index.expansion_add)  # the bank index's own graph settings
     started = time.perf_counter()
     raw.add(np.arange(len(matrix), dtype=np.uint64), matrix, threads=1)
     raw_s = time.perf_counter() - started

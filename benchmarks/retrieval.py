@@ -21,6 +21,7 @@ Runs with OPENBLAS_NUM_THREADS=1 unless set (see below). Prints `name=value` lin
 - `batched_step_ms`, `sequential_step_ms`, `batches_per_step`, `encode_calls_per_step`: where the time goes;
 - `index_p50_ms`, `index_p99_ms`: one query's `ExperienceIndex.search` (k = 16) with an embedding-like query
   (target p99 <= 1 ms at 100k);
+- `recall_at_10`: of the index's top 10 against numpy brute force, 200 embedding-like queries (1.0 when exact);
 before them `query_tokens`, `encode_1_ms`, `encode_16_ms` and `encode_bound_speedup` (64 single encodes over one
 encode of the step's 16 distinct texts: the most batching can win where encoding dominates, as on a small CPU);
 then `batched_speedup`, `p50_ms`, `p99_ms` of the 10k bank, and `index_p99_ms_100k` without `--quick`.
@@ -138,6 +139,19 @@ def index_latencies(bank: LocalBank, queries: np.ndarray, k: int) -> np.ndarray:
     return times
 
 
+def recall_at_10(bank: LocalBank, queries: np.ndarray) -> float:
+    """Mean share of each query's true 10 nearest experiences (numpy brute force) that the index returns."""
+    assert bank.index is not None
+    ids = sorted(bank.state.experiences)
+    keys = np.stack([bank.state.experiences[i].key for i in ids]).astype(np.float32)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    unit = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    truth = np.argsort(-(unit @ keys.T), axis=1)[:, :10]
+    found = bank.index.search(queries, [FAMILY] * len(queries), 10)
+    return float(np.mean([len({ids[j] for j in row} & {i for i, _ in got}) / 10
+                          for row, got in zip(truth, found, strict=True)]))
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.3f}"
 
@@ -195,6 +209,7 @@ def main() -> None:
         queries = embedding_like(np.random.default_rng(7), index_queries, DIM)
         index_latencies(bank, queries[:50], settings.top_k * settings.oversample)  # warm-up
         index_times = index_latencies(bank, queries, settings.top_k * settings.oversample)
+        recall = recall_at_10(bank, queries[:200])
 
         batched_s, sequential_s = float(np.median(step_times)), float(np.median(sequential))
         result = {
@@ -216,6 +231,7 @@ def main() -> None:
               f"{(after['retrieval/encode_calls'] - before['retrieval/encode_calls']) / batched_rounds:.1f}")
         print(f"bank_{size}_index_p50_ms={ms(result['index_p50_s'])}")
         print(f"bank_{size}_index_p99_ms={ms(result['index_p99_s'])}")
+        print(f"bank_{size}_recall_at_10={recall:.3f}")
         sys.stdout.flush()
 
     headline = summary[10_000]

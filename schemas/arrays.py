@@ -55,27 +55,58 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(array.tolist())
 
 
-def _floats(value: Any, dtype: str) -> tuple[float, ...]:
+class PackedFloats(tuple):  # noqa: SLOT001 (instances carry `packed` in their __dict__)
+    """A tuple of floats that also keeps them packed as the wire dtype's bytes.
+
+    It is what `LogProbs` and `Float16s` validate to: equal, hashable and comparable exactly as the plain tuple, but
+    `as_array()` is a view of the packed bytes instead of a conversion of every Python float (that conversion was
+    half the cost of replaying an op log), and encoding does not pack the values again.
+    """
+
+    packed: bytes
+    dtype: str
+
+    def __new__(cls, values: list[float], packed: bytes, dtype: str) -> PackedFloats:
+        self = super().__new__(cls, values)
+        self.packed, self.dtype = packed, dtype
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PackedFloats, (list(self), self.packed, self.dtype)
+
+    def as_array(self) -> np.ndarray:
+        """The values as a read-only array of the wire dtype, without copying."""
+        return np.frombuffer(self.packed, dtype=self.dtype)
+
+
+def _floats(value: Any, dtype: str) -> PackedFloats:
+    if isinstance(value, PackedFloats) and value.dtype == dtype:
+        return value
     if isinstance(value, str):
         # Off the wire the values are already in `dtype`: no quantisation, only the finiteness check.
         wire = _from_base64(value, dtype)
-        if not np.all(np.isfinite(wire)):
+        if not np.isfinite(wire).all():
             raise ValueError("NaN or infinite values are not allowed")
-        return tuple(wire.tolist())
-    else:
-        try:
-            array = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError("expected a flat sequence of numbers") from exc
-        if array.ndim != 1:
-            raise ValueError("expected a flat sequence of numbers")
-    if not np.all(np.isfinite(array)):
+        return PackedFloats(wire.tolist(), wire.tobytes(), dtype)
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError("expected a flat sequence of numbers") from exc
+    if array.ndim != 1:
+        raise ValueError("expected a flat sequence of numbers")
+    if not np.isfinite(array).all():
         raise ValueError("NaN or infinite values are not allowed")
     with np.errstate(over="ignore"):  # overflow is reported below as a validation error
         quantised = array.astype(dtype)
-    if not np.all(np.isfinite(quantised)):
+    if not np.isfinite(quantised).all():
         raise ValueError(f"values overflow {dtype}")
-    return tuple(quantised.astype(np.float64).tolist())
+    return PackedFloats(quantised.astype(np.float64).tolist(), quantised.tobytes(), dtype)
+
+
+def _packed_base64(values: tuple, dtype: str) -> str:
+    if isinstance(values, PackedFloats) and values.dtype == dtype:
+        return base64.b64encode(values.packed).decode("ascii")
+    return _to_base64(values, dtype)
 
 
 TokenIds = Annotated[
@@ -89,7 +120,7 @@ TokenIds = Annotated[
 LogProbs = Annotated[
     tuple[float, ...],
     PlainValidator(lambda v: _floats(v, "<f4")),
-    PlainSerializer(lambda v: _to_base64(v, "<f4"), return_type=str, when_used="json"),
+    PlainSerializer(lambda v: _packed_base64(v, "<f4"), return_type=str, when_used="json"),
     WithJsonSchema(_BASE64_STRING),
 ]
 """Per-token log-probabilities (float32 on the wire, finite)."""
@@ -97,7 +128,7 @@ LogProbs = Annotated[
 Float16s = Annotated[
     tuple[float, ...],
     PlainValidator(lambda v: _floats(v, "<f2")),
-    PlainSerializer(lambda v: _to_base64(v, "<f2"), return_type=str, when_used="json"),
+    PlainSerializer(lambda v: _packed_base64(v, "<f2"), return_type=str, when_used="json"),
     WithJsonSchema(_BASE64_STRING),
 ]
 """A vector's components (float16 on the wire, finite)."""
@@ -126,6 +157,12 @@ class EmbeddingVector(BaseModel):
         flat = np.asarray(vector, dtype=np.float64).reshape(-1)  # one rounding only: to float16 in the validator
         return cls(model=model, dim=int(flat.size), data=tuple(flat.tolist()))
 
+    def float16(self) -> np.ndarray:
+        """The vector as float16, shape (dim,): a read-only view of the validated components (no copy)."""
+        if isinstance(self.data, PackedFloats) and self.data.dtype == "<f2":
+            return self.data.as_array()
+        return np.asarray(self.data, dtype="<f2")  # built without validation (`model_construct`)
+
     def to_numpy(self) -> np.ndarray:
         """The vector as float32, shape (dim,)."""
-        return np.asarray(self.data, dtype=np.float32)
+        return self.float16().astype(np.float32)

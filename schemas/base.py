@@ -7,12 +7,13 @@ literal. A breaking change to an event bumps its `schema_version` and registers 
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\s]+$")]
 """An identifier: non-empty, no whitespace, at most 256 characters."""
@@ -55,6 +56,14 @@ class Event(BaseModel):
     occurred_at: AwareDatetime = Field(default_factory=_now, description="When the producer made the event (UTC).")
     producer: Producer = Field(description="The worker that produced the event.")
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, value: Any) -> Any:
+        # A subclass's Literal[N] alone would take 1.0 and true, which equal 1.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"schema_version must be an integer, got {value!r}")
+        return value
+
     ENVELOPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "kind",
         "schema_version",
@@ -75,6 +84,7 @@ class Event(BaseModel):
             raise TypeError(f"{cls.__name__}.schema_version must be a single int Literal")
 
     @classmethod
+    @functools.cache
     def current_version(cls) -> int:
         """The schema version this code writes and validates (older payloads are upcast to it)."""
         return get_args(cls.model_fields["schema_version"].annotation)[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
@@ -67,8 +68,9 @@ class Topic:
     def key_bytes(self, event: Event) -> bytes:
         return self.key(event).encode("utf-8")
 
-    @property
+    @cached_property
     def kinds(self) -> tuple[str, ...]:
+        """Names of the event kinds this topic carries (computed once: `decode` asks for every record)."""
         return tuple(event.__name__ for event in self.events)
 
 

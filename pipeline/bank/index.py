@@ -12,7 +12,7 @@ Search is always within one task family, so every family has its own structure, 
 vectors:
 - below `exact_threshold`: exact search with numpy, one `(Q, dim) @ (dim, N)` matmul per family, then argpartition
   and a sort. On this machine that was ~6x faster than USearch's own `exact=True` search, and it is exact.
-- at or above it: a USearch HNSW graph (`metric="cos"`, `dtype="f16"`). A family switches when its size crosses the
+- at or above it: a USearch HNSW graph (`metric="cos"`, `dtype="i8"` by default). A family switches when its size crosses the
   threshold in either direction, so a family's mode depends only on its size; switching up builds the graph from the
   family's vectors in insertion order. Candidates the graph returns are re-scored against the float32 vectors, so
   both modes report the same cosine for the same pair and order ties the same way.
@@ -43,6 +43,8 @@ from usearch.index import Index
 MANIFEST = "manifest.json"
 FORMAT = "crl.experience-index"
 FORMAT_VERSION = 1
+GRAPH_DTYPES = ("i8", "f16", "bf16", "f32")
+"""USearch scalar kinds a graph may store its vectors in."""
 _COMPACT_MIN_DEAD = 64
 """Dead rows an HNSW family's matrix keeps before it is compacted (and only once they outnumber the live ones)."""
 
@@ -89,6 +91,25 @@ class _Family:
         self.key_of[experience_id] = key
         self.id_of[key] = experience_id
         return key
+
+    def extend(self, experience_ids: Sequence[str], vectors: np.ndarray) -> None:
+        """`append` for many rows at once (vectors: (n, dim) unit float32 rows; ids new to this family)."""
+        count = len(experience_ids)
+        if self.used + count > len(self.keys):
+            capacity = max(2 * len(self.keys), self.used + count)
+            self.vectors = np.resize(self.vectors, (capacity, self.dim))
+            self.keys = np.resize(self.keys, capacity)
+            self.alive = np.concatenate([self.alive, np.zeros(capacity - len(self.alive), dtype=bool)])
+        keys = range(self.next_key, self.next_key + count)
+        rows = slice(self.used, self.used + count)
+        self.vectors[rows] = vectors
+        self.keys[rows] = keys
+        self.alive[rows] = True
+        self.key_of.update(zip(experience_ids, keys, strict=True))
+        self.id_of.update(zip(keys, experience_ids, strict=True))
+        self.next_key += count
+        self.used += count
+        self.active += count
 
     def row(self, key: int) -> int:
         return int(np.searchsorted(self.keys[: self.used], key))
@@ -163,13 +184,16 @@ class ExperienceIndex:
     """Per-family cosine search over experience key vectors (exact below `exact_threshold`, HNSW at or above)."""
 
     def __init__(self, dim: int, exact_threshold: int = 10_000, *, connectivity: int = 16,
-                 expansion_add: int = 128, expansion_search: int = 64) -> None:
+                 expansion_add: int = 128, expansion_search: int = 64, graph_dtype: str = "i8") -> None:
         """
         dim: length of every key vector (384 for all-MiniLM-L6-v2).
         exact_threshold: a family with this many active vectors or more is searched through HNSW, else exactly.
         connectivity: HNSW graph degree (USearch's M); more is better recall, bigger files, slower adds.
         expansion_add: candidate list size while inserting (efConstruction); 128 -> 32 traded recall for ~3x adds.
         expansion_search: candidate list size while searching (ef); raised to k when k is larger.
+        graph_dtype: how the graph stores vectors. "i8" (the default) made single-query searches ~30% faster and adds
+            ~50% faster than "f16" at 100k vectors on the 2-core machine, at the same recall: the graph only
+            proposes candidates, which are re-scored against the float32 vectors. Files record it; `load` honours it.
         """
         for name, value, least in (("dim", dim, 1), ("exact_threshold", exact_threshold, 1),
                                    ("connectivity", connectivity, 2), ("expansion_add", expansion_add, 1),
@@ -181,6 +205,9 @@ class ExperienceIndex:
         self.connectivity = int(connectivity)
         self.expansion_add = int(expansion_add)
         self.expansion_search = int(expansion_search)
+        if graph_dtype not in GRAPH_DTYPES:
+            raise ValueError(f"graph_dtype must be one of {', '.join(GRAPH_DTYPES)}, got {graph_dtype!r}")
+        self.graph_dtype = graph_dtype
         self._families: dict[str, _Family] = {}
         self._family_of: dict[str, str] = {}
 
@@ -192,11 +219,25 @@ class ExperienceIndex:
         Each family's graph, if it needs one, is built once at the end from its vectors in that order.
         """
         index = cls(dim, exact_threshold, **hnsw)
-        touched: set[str] = set()
+        ids: dict[str, list[str]] = {}
+        keys: dict[str, list[np.ndarray]] = {}
         for experience_id, task_family, key in items:
-            touched.update(index._put(experience_id, task_family, key))
-        for family in sorted(touched):
-            index._settle(family)
+            if not isinstance(experience_id, str) or not isinstance(task_family, str):
+                raise TypeError("experience_id and task_family must be str")
+            if experience_id in index._family_of:
+                raise ValueError(f"experience {experience_id!r} is given twice")
+            index._family_of[experience_id] = task_family
+            ids.setdefault(task_family, []).append(experience_id)
+            keys.setdefault(task_family, []).append(np.asarray(key))
+        for task_family in sorted(ids):
+            # One normalisation per family: row by row it computes exactly what `add` computes for one vector.
+            shapes = {vector.shape for vector in keys[task_family]}
+            if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                raise ValueError(f"keys of {task_family!r} must all be ({dim},) vectors, got shapes {sorted(shapes)}")
+            vectors = _unit_rows(np.stack(keys[task_family]), index.dim, f"keys of {task_family!r}")
+            family = index._families[task_family] = _Family(index.dim)
+            family.extend(ids[task_family], vectors)
+            index._settle(task_family)
         return index
 
     # ----------------------------------------------------------------------------------------------- writes
@@ -254,7 +295,7 @@ class ExperienceIndex:
             family.compact()
 
     def _new_graph(self) -> Index:
-        return Index(ndim=self.dim, metric="cos", dtype="f16", connectivity=self.connectivity,
+        return Index(ndim=self.dim, metric="cos", dtype=self.graph_dtype, connectivity=self.connectivity,
                      expansion_add=self.expansion_add, expansion_search=self.expansion_search)
 
     # ----------------------------------------------------------------------------------------------- reads
@@ -305,7 +346,9 @@ class ExperienceIndex:
     @staticmethod
     def _search_graph(family: _Family, batch: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(q, count) keys and cosines re-scored in float32, best first; key -1 where the graph found fewer."""
-        matches = family.graph.search(batch, count)
+        # Twice the candidates, re-scored: the i8 graph's distances are coarse near the k-th place.
+        wanted = min(2 * count, family.active)
+        matches = family.graph.search(batch, wanted, threads=1)  # one thread: no pool start-up for a few queries
         found = np.asarray(matches.keys, dtype=np.int64).reshape(len(batch), -1)  # (q, count)
         counts = np.asarray(getattr(matches, "counts", [found.shape[1]])).reshape(-1)  # (q,)
         valid = np.arange(found.shape[1])[None, :] < counts[:, None]  # (q, count)
@@ -313,9 +356,10 @@ class ExperienceIndex:
         rows = np.searchsorted(family.keys[: family.used], found)  # (q, count)
         scores = np.einsum("qd,qcd->qc", batch, family.vectors[rows])  # (q, count)
         scores[~valid] = -np.inf
-        order = np.lexsort((found, -scores), axis=-1)
+        order = np.lexsort((found, -scores), axis=-1)  # (q, count)
         found = np.where(valid, found, -1)
-        return np.take_along_axis(found, order, axis=1), np.take_along_axis(scores, order, axis=1)
+        picked = np.arange(len(batch))[:, None], order[:, :count]
+        return found[picked], scores[picked]
 
     def __len__(self) -> int:
         return len(self._family_of)
@@ -363,7 +407,7 @@ class ExperienceIndex:
             "usearch_version": usearch.__version__,
             "dim": self.dim,
             "exact_threshold": self.exact_threshold,
-            "hnsw": {"metric": "cos", "dtype": "f16", "connectivity": self.connectivity,
+            "hnsw": {"metric": "cos", "dtype": self.graph_dtype, "connectivity": self.connectivity,
                      "expansion_add": self.expansion_add, "expansion_search": self.expansion_search},
             "families": families,
         }
@@ -378,7 +422,8 @@ class ExperienceIndex:
             raise ValueError(f"{directory} holds no {FORMAT} v{FORMAT_VERSION} manifest")
         hnsw = manifest["hnsw"]
         index = cls(manifest["dim"], manifest["exact_threshold"], connectivity=hnsw["connectivity"],
-                    expansion_add=hnsw["expansion_add"], expansion_search=hnsw["expansion_search"])
+                    expansion_add=hnsw["expansion_add"], expansion_search=hnsw["expansion_search"],
+                    graph_dtype=hnsw.get("dtype", "f16"))  # files written before i8 hold f16 graphs
         for name, saved in manifest["families"].items():
             vectors = np.load(directory / saved["vectors"], allow_pickle=False)
             entries = saved["entries"]

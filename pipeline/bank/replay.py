@@ -10,8 +10,10 @@ are the bank's reproducibility contract; any mismatch is reported and makes the 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +54,32 @@ class ReplayResult:
         return problems
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a bulk replay, then back as it was.
+
+    Decoding and applying an op log allocates millions of container objects while the bank state grows; the
+    collector's repeated passes over that growing state were half the replay's time (a 50k-op log: decode ~55 ->
+    ~28 us per op). Ops and bank state hold no reference cycles, so reference counting frees what the replay drops.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint] = ()) -> ReplayResult:
-    """Apply `(offset, op)` pairs in order, taking the hash wherever a checkpoint's offset is reached."""
+    """Apply `(offset, op)` pairs in order, taking the hash wherever a checkpoint's offset is reached.
+
+    Runs with the garbage collector paused (`collector_paused`); `ops` may decode lazily inside it."""
+    with collector_paused():
+        return _replay(ops, checkpoints)
+
+
+def _replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint]) -> ReplayResult:
     pending = sorted(checkpoints, key=lambda c: c.next_offset)
     result = ReplayResult(BankState())
     result.hashes = {checkpoint.name: None for checkpoint in pending}

@@ -108,8 +108,10 @@ class Experience:
 
 
 def _frozen_key(key: EmbeddingVector) -> np.ndarray:
-    vector = np.asarray(key.data, dtype="<f2")
-    vector.setflags(write=False)
+    vector = key.float16()
+    if vector.flags.writeable:  # a view of the event's bytes is read-only already
+        vector = vector.copy()
+        vector.setflags(write=False)
     return vector
 
 

@@ -329,3 +329,41 @@ def test_k_larger_than_a_family_returns_all_and_empty_families_return_nothing() 
         index.remove(f"room-{n}")
     assert index.size("room") == 0 and len(index) == 0
     assert index.search(queries, ["room"] * 3, k=5) == [[], [], []]
+
+
+def test_build_equals_adding_one_by_one_and_refuses_a_repeated_id(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    items = [(f"maze-{n}", "maze", v) for n, v in enumerate(embedding_like(rng, 300))]
+    items += [(f"room-{n}", "room", v.astype(np.float16)) for n, v in enumerate(embedding_like(rng, 40))]
+    built = ExperienceIndex.build(items, dim=DIM, exact_threshold=200)
+    added = ExperienceIndex(DIM, exact_threshold=200)
+    for experience_id, family, key in items:
+        added.add(experience_id, family, key)
+    for index, directory in ((built, tmp_path / "built"), (added, tmp_path / "added")):
+        directory.mkdir()
+        index.save(directory)
+    # The same normalised float32 rows, keys and manifest (graphs differ: `add` grows one from the threshold on).
+    for name in ("family-0000.npy", "family-0001.npy", "manifest.json"):
+        assert (tmp_path / "built" / name).read_bytes() == (tmp_path / "added" / name).read_bytes(), name
+    with pytest.raises(ValueError, match="room-0.*twice"):
+        ExperienceIndex.build([*items, items[-40]], dim=DIM)
+
+
+@pytest.mark.parametrize("graph_dtype", ["i8", "f16"])
+def test_graph_dtype_is_saved_and_honoured_on_load(graph_dtype: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(12)
+    vectors = embedding_like(rng, 400)
+    index = ExperienceIndex.build([(f"e{n}", "maze", v) for n, v in enumerate(vectors)], dim=DIM,
+                                  exact_threshold=100, graph_dtype=graph_dtype)
+    index.save(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["hnsw"]["dtype"] == graph_dtype
+    if graph_dtype == "f16":  # a file from before the i8 default had no other choice; drop the key to be sure
+        del manifest["hnsw"]["dtype"]
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    loaded = ExperienceIndex.load(tmp_path)
+    assert loaded.graph_dtype == graph_dtype
+    queries = embedding_like(rng, 20)
+    assert loaded.search(queries, ["maze"] * 20, 5) == index.search(queries, ["maze"] * 20, 5)
+    with pytest.raises(ValueError, match="graph_dtype"):
+        ExperienceIndex(DIM, graph_dtype="f64")

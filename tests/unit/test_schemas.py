@@ -11,12 +11,13 @@ import base64
 import hashlib
 import json
 import math
+import pickle
 import struct
 from typing import Any, Literal, get_args
 
 import numpy as np
 import pytest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.arrays import EmbeddingVector, Float16s, LogProbs, TokenIds
 from schemas.base import Event, Producer
@@ -37,6 +38,8 @@ from schemas.examples import example_events
 from schemas.experiences import VersionedExperience
 from schemas.topics import DEAD_LETTERS, EVENT_TYPES, RUNS, TRAJECTORIES, topic_of
 from schemas.trajectories import ExperienceRef, Turn
+
+LogProbs_adapter: TypeAdapter[Any] = TypeAdapter(LogProbs)
 
 EXAMPLES: dict[str, Event] = {event.kind: event for event in example_events()}
 
@@ -272,6 +275,31 @@ def test_embedding_vector_from_array_and_to_numpy_quantise_to_float16() -> None:
     assert EmbeddingVector.model_validate_json(vector.model_dump_json()) == vector
     assert EmbeddingVector.from_array("all-MiniLM-L6-v2", array) == vector
     assert vector.model_dump(mode="json")["data"] == b64(source.astype("<f2").tobytes())
+
+
+def test_validated_floats_stay_plain_tuples_that_keep_their_wire_bytes() -> None:
+    source = np.array([0.5, -0.25, 2.0, 1e-3], dtype=np.float32)
+    vector = EmbeddingVector.from_array("m", source)
+    wire = EmbeddingVector.model_validate_json(vector.model_dump_json())
+    plain = tuple(float(np.float16(x)) for x in source)
+    for made in (vector, wire):
+        # Equal and hashing alike to the plain tuple, so events compare and hash as before.
+        assert made.data == plain and plain == made.data and hash(made.data) == hash(plain)
+        assert isinstance(made.data, tuple)
+        view = made.float16()  # the packed bytes themselves: no copy, not writable
+        assert view.dtype == np.dtype("<f2") and not view.flags.writeable
+        np.testing.assert_array_equal(view, source.astype("<f2"))
+    assert wire == vector and hash(wire) == hash(vector)
+    assert pickle.loads(pickle.dumps(wire)) == wire
+    assert pickle.loads(pickle.dumps(wire)).float16().tobytes() == source.astype("<f2").tobytes()
+    # Built without validation it still answers, by converting.
+    unchecked = EmbeddingVector.model_construct(model="m", dim=4, data=plain)
+    np.testing.assert_array_equal(unchecked.float16(), view)
+    # Log-probs too keep their float32 bytes, and encode from them.
+    turn_logprobs = LogProbs_adapter.validate_python([-0.5, -1.25])
+    assert turn_logprobs == (-0.5, -1.25) and turn_logprobs.as_array().dtype == np.dtype("<f4")
+    assert LogProbs_adapter.dump_json(turn_logprobs) == json.dumps(b64(np.array([-0.5, -1.25], "<f4").tobytes())
+                                                                   ).encode()
 
 
 def test_embedding_vector_from_array_flattens() -> None:
