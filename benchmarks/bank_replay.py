@@ -2,6 +2,7 @@
 
     python benchmarks/bank_replay.py --quick     # 50k ops, under a minute
     python benchmarks/bank_replay.py             # 100k and 1M ops (20+ minutes on 2 cores, ~3 GB)
+    python benchmarks/bank_replay.py --ops 100000  # any sizes
 
 A synthetic op log (`pipeline.bank.synthetic`: adds, refines, merges, retires, stale refines and re-published ops,
 384-d embedding-like keys) is encoded to wire bytes first. The replay then does what `crl replay bank` and a
@@ -91,8 +92,9 @@ def measure(count: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="50k ops only (under a minute)")
+    parser.add_argument("--ops", type=int, nargs="+", metavar="N", help="log sizes to run (default 100k and 1M)")
     args = parser.parse_args()
-    sizes = [50_000] if args.quick else [100_000, 1_000_000]
+    sizes = args.ops or ([50_000] if args.quick else [100_000, 1_000_000])
     results = {}
     for size in sizes:
         results[size] = measure(size)

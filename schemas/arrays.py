@@ -1,14 +1,15 @@
 """Compact arrays inside events.
 
-Token ids, log-probs and embedding vectors are the bulk of a trajectory. In Python they are plain tuples (immutable,
-comparable, hashable, so frozen events stay frozen); on the wire they are base64 strings of little-endian machine
-arrays, which is 3-6x smaller than a JSON list and decodes with one `numpy.frombuffer`:
+Token ids, log-probs and embedding vectors are the bulk of a trajectory. In Python they are immutable, comparable and
+hashable (so frozen events stay frozen): token ids are plain tuples, floats are `PackedFloats`, which equal the tuple
+of their values but keep the packed bytes and make Python floats only when asked. On the wire they are base64 strings
+of little-endian machine arrays, which is 3-6x smaller than a JSON list and decodes with one `numpy.frombuffer`:
 
-| type           | Python value          | wire format                          |
-|----------------|-----------------------|--------------------------------------|
-| `TokenIds`     | `tuple[int, ...]`     | base64 of int32 (`<i4`)              |
-| `LogProbs`     | `tuple[float, ...]`   | base64 of float32 (`<f4`)            |
-| `Float16s`     | `tuple[float, ...]`   | base64 of float16 (`<f2`)            |
+| type           | Python value                                   | wire format                          |
+|----------------|------------------------------------------------|--------------------------------------|
+| `TokenIds`     | `tuple[int, ...]`                              | base64 of int32 (`<i4`)              |
+| `LogProbs`     | `PackedFloats` (== `tuple[float, ...]`)        | base64 of float32 (`<f4`)            |
+| `Float16s`     | `PackedFloats` (== `tuple[float, ...]`)        | base64 of float16 (`<f2`)            |
 
 Values are quantised to the wire dtype when an event is built, so `decode(encode(event)) == event` holds exactly.
 NaN and infinity are rejected everywhere: a NaN log-prob poisons a whole training step.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -55,28 +57,59 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(array.tolist())
 
 
-class PackedFloats(tuple):  # noqa: SLOT001 (instances carry `packed` in their __dict__)
-    """A tuple of floats that also keeps them packed as the wire dtype's bytes.
+class PackedFloats(Sequence[float]):
+    """An immutable sequence of floats kept as the wire dtype's packed bytes: what `LogProbs` and `Float16s` validate to.
 
-    It is what `LogProbs` and `Float16s` validate to: equal, hashable and comparable exactly as the plain tuple, but
-    `as_array()` is a view of the packed bytes instead of a conversion of every Python float (that conversion was
-    half the cost of replaying an op log), and encoding does not pack the values again.
+    It equals, and hashes like, the tuple of its values (`vector.data == (0.5, 1.0)`), but decoding makes no Python
+    float until one is asked for: the tuple is built on first use, while `as_array()` is a view of the bytes. Making
+    384 Python floats per embedding was a fifth of the cost of decoding an op log, and nothing in a replay reads them.
     """
 
-    packed: bytes
-    dtype: str
+    __slots__ = ("packed", "dtype", "_values")
 
-    def __new__(cls, values: list[float], packed: bytes, dtype: str) -> PackedFloats:
-        self = super().__new__(cls, values)
-        self.packed, self.dtype = packed, dtype
-        return self
+    def __init__(self, packed: bytes, dtype: str) -> None:
+        self.packed = packed
+        self.dtype = dtype
+        self._values: tuple[float, ...] | None = None
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return PackedFloats, (list(self), self.packed, self.dtype)
+    def values(self) -> tuple[float, ...]:
+        """The values as a plain tuple (made once)."""
+        if self._values is None:
+            self._values = tuple(self.as_array().tolist())
+        return self._values
 
     def as_array(self) -> np.ndarray:
         """The values as a read-only array of the wire dtype, without copying."""
         return np.frombuffer(self.packed, dtype=self.dtype)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return np.array(self.as_array(), dtype=dtype)  # always a writable copy
+
+    def __len__(self) -> int:
+        return len(self.packed) // np.dtype(self.dtype).itemsize
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.values()[index]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.values())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedFloats):
+            same_bytes = self.dtype == other.dtype and self.packed == other.packed
+            return same_bytes or self.values() == other.values()  # -0.0 == 0.0, as for tuples
+        if isinstance(other, tuple):
+            return self.values() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.values())
+
+    def __repr__(self) -> str:
+        return repr(self.values())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PackedFloats, (self.packed, self.dtype)
 
 
 def _floats(value: Any, dtype: str) -> PackedFloats:
@@ -87,7 +120,7 @@ def _floats(value: Any, dtype: str) -> PackedFloats:
         wire = _from_base64(value, dtype)
         if not np.isfinite(wire).all():
             raise ValueError("NaN or infinite values are not allowed")
-        return PackedFloats(wire.tolist(), wire.tobytes(), dtype)
+        return PackedFloats(wire.tobytes(), dtype)
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -100,10 +133,10 @@ def _floats(value: Any, dtype: str) -> PackedFloats:
         quantised = array.astype(dtype)
     if not np.isfinite(quantised).all():
         raise ValueError(f"values overflow {dtype}")
-    return PackedFloats(quantised.astype(np.float64).tolist(), quantised.tobytes(), dtype)
+    return PackedFloats(quantised.tobytes(), dtype)
 
 
-def _packed_base64(values: tuple, dtype: str) -> str:
+def _packed_base64(values: Sequence[float], dtype: str) -> str:
     if isinstance(values, PackedFloats) and values.dtype == dtype:
         return base64.b64encode(values.packed).decode("ascii")
     return _to_base64(values, dtype)

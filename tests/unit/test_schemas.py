@@ -277,7 +277,7 @@ def test_embedding_vector_from_array_and_to_numpy_quantise_to_float16() -> None:
     assert vector.model_dump(mode="json")["data"] == b64(source.astype("<f2").tobytes())
 
 
-def test_validated_floats_stay_plain_tuples_that_keep_their_wire_bytes() -> None:
+def test_validated_floats_act_as_tuples_and_keep_their_wire_bytes() -> None:
     source = np.array([0.5, -0.25, 2.0, 1e-3], dtype=np.float32)
     vector = EmbeddingVector.from_array("m", source)
     wire = EmbeddingVector.model_validate_json(vector.model_dump_json())
@@ -285,7 +285,10 @@ def test_validated_floats_stay_plain_tuples_that_keep_their_wire_bytes() -> None
     for made in (vector, wire):
         # Equal and hashing alike to the plain tuple, so events compare and hash as before.
         assert made.data == plain and plain == made.data and hash(made.data) == hash(plain)
-        assert isinstance(made.data, tuple)
+        assert made.data != list(plain) and made.data != plain[:3] and made.data != (*plain[:3], 0.75)
+        assert tuple(made.data) == plain and list(made.data) == list(plain) and len(made.data) == 4
+        assert made.data[1] == -0.25 and made.data[1:3] == (-0.25, 2.0) and repr(made.data) == repr(plain)
+        assert np.asarray(made.data, dtype=np.float64).tolist() == list(plain)  # a writable copy
         view = made.float16()  # the packed bytes themselves: no copy, not writable
         assert view.dtype == np.dtype("<f2") and not view.flags.writeable
         np.testing.assert_array_equal(view, source.astype("<f2"))
@@ -298,6 +301,8 @@ def test_validated_floats_stay_plain_tuples_that_keep_their_wire_bytes() -> None
     # Log-probs too keep their float32 bytes, and encode from them.
     turn_logprobs = LogProbs_adapter.validate_python([-0.5, -1.25])
     assert turn_logprobs == (-0.5, -1.25) and turn_logprobs.as_array().dtype == np.dtype("<f4")
+    assert turn_logprobs == EmbeddingVector.from_array("m", np.array([-0.5, -1.25])).data  # other bytes, same values
+    assert sum(turn_logprobs) == -1.75
     assert LogProbs_adapter.dump_json(turn_logprobs) == json.dumps(b64(np.array([-0.5, -1.25], "<f4").tobytes())
                                                                    ).encode()
 
