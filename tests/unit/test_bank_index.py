@@ -367,3 +367,19 @@ def test_graph_dtype_is_saved_and_honoured_on_load(graph_dtype: str, tmp_path: P
     assert loaded.search(queries, ["maze"] * 20, 5) == index.search(queries, ["maze"] * 20, 5)
     with pytest.raises(ValueError, match="graph_dtype"):
         ExperienceIndex(DIM, graph_dtype="f64")
+
+
+def test_graphs_of_several_families_grow_side_by_side_and_stay_byte_identical(tmp_path: Path) -> None:
+    rng = np.random.default_rng(13)
+    maze = [(f"maze-{n}", "maze", v) for n, v in enumerate(embedding_like(rng, 300))]
+    room = [(f"room-{n}", "room", v) for n, v in enumerate(embedding_like(rng, 260))]
+    together = ExperienceIndex.build([*maze, *room], dim=DIM, exact_threshold=200)  # two graphs, two threads
+    assert together.mode == {"maze": "hnsw", "room": "hnsw"}
+    (tmp_path / "together").mkdir()
+    together.save(tmp_path / "together")
+    for family, items in (("maze", maze), ("room", room)):  # each family alone: one graph, no pool
+        alone = tmp_path / family
+        alone.mkdir()
+        ExperienceIndex.build(items, dim=DIM, exact_threshold=200).save(alone)
+        assert (alone / "family-0000.usearch").read_bytes() == (
+            tmp_path / "together" / f"family-{'0000' if family == 'maze' else '0001'}.usearch").read_bytes()
