@@ -5,11 +5,11 @@
     python benchmarks/bank_replay.py --ops 100000  # any sizes
 
 A synthetic op log (`pipeline.bank.synthetic`: adds, refines, merges, retires, stale refines and re-published ops,
-384-d embedding-like keys) is encoded to wire bytes first. The replay then does what `crl replay bank` and a
-restarted replica do: decode every record, apply it to the state machine (with the garbage collector paused, as
-`crl replay bank` does), and build the index once from the final active vectors in canonical order (HNSW above 10,000 per family). The baseline adds every key vector of the log (one
-per add and merge op) to one USearch cosine index with the bank index's graph settings (i8, connectivity 16,
-expansion_add 128), single-threaded, in one batch call.
+384-d embedding-like keys) is encoded to wire bytes first. The replay then does what `crl replay bank` does: decode
+every record and apply it to the state machine, with the garbage collector paused; then build the index once from the
+final active vectors in canonical order (HNSW above 10,000 per family, the families' graphs side by side). The
+baseline adds every key vector of the log (one per add and merge op) to one USearch cosine index with the bank
+index's graph settings (i8, connectivity 16, expansion_add 128), single-threaded, in one batch call.
 
 Prints per size (`ops_100000_...`) and, for the largest size run:
 - `replay_ops_per_s`: ops per second of the whole replay (decode + apply + index build);

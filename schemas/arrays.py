@@ -58,7 +58,7 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 class PackedFloats(Sequence[float]):
-    """An immutable sequence of floats kept as the wire dtype's packed bytes: what `LogProbs` and `Float16s` validate to.
+    """Immutable floats kept as the wire dtype's packed bytes: what `LogProbs` and `Float16s` validate to.
 
     It equals, and hashes like, the tuple of its values (`vector.data == (0.5, 1.0)`), but decoding makes no Python
     float until one is asked for: the tuple is built on first use, while `as_array()` is a view of the bytes. Making

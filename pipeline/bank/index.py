@@ -12,15 +12,16 @@ Search is always within one task family, so every family has its own structure, 
 vectors:
 - below `exact_threshold`: exact search with numpy, one `(Q, dim) @ (dim, N)` matmul per family, then argpartition
   and a sort. On this machine that was ~6x faster than USearch's own `exact=True` search, and it is exact.
-- at or above it: a USearch HNSW graph (`metric="cos"`, `dtype="i8"` by default). A family switches when its size crosses the
-  threshold in either direction, so a family's mode depends only on its size; switching up builds the graph from the
-  family's vectors in insertion order. Candidates the graph returns are re-scored against the float32 vectors, so
-  both modes report the same cosine for the same pair and order ties the same way.
+- at or above it: a USearch HNSW graph (`metric="cos"`, `dtype="i8"` by default). A family switches when its size
+  crosses the threshold in either direction, so a family's mode depends only on its size; switching up builds the
+  graph from the family's vectors in insertion order. The graph proposes twice the candidates asked for, which are
+  re-scored against the float32 vectors, so both modes report the same cosine for the same pair and order ties the
+  same way.
 
 Determinism: vectors are normalised to float32 on the way in; ties are broken by the smaller integer key, i.e. by
-insertion order; each graph is only ever grown by one thread (`threads=1`), in key order (`build` grows the graphs
-of different families side by side, one thread each). Building twice from the same
-items in the same order gives byte-identical files (USearch graphs built with several threads do not).
+insertion order; each graph is only ever grown by one thread (`threads=1`), in key order (`build` grows the graphs of
+different families side by side, one thread each). Building twice from the same items in the same order gives
+byte-identical files (a USearch graph grown by several threads at once does not).
 
 USearch keys are integers: each family hands out increasing integers on add and never reuses one in the life of the
 object (a re-added id gets a new key); the id <-> key maps are saved in the manifest. USearch refuses a duplicate
