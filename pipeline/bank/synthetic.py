@@ -84,8 +84,9 @@ def iter_synthetic_ops(count: int, seed: int = 0, dim: int = 384, run_id: str = 
             candidate = active_ids[position]
             if candidate in active:
                 return candidate
-            active_ids[position] = active_ids[-1]  # drop the stale id in O(1): a 1M-op log took 20+ minutes with
-            active_ids.pop()  # list.remove
+            # Drop the stale id in O(1) (with list.remove a 1M-op log took 20+ minutes to generate).
+            active_ids[position] = active_ids[-1]
+            active_ids.pop()
 
     for index in range(count):
         if index % chunk == 0:

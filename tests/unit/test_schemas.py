@@ -39,7 +39,7 @@ from schemas.experiences import VersionedExperience
 from schemas.topics import DEAD_LETTERS, EVENT_TYPES, RUNS, TRAJECTORIES, topic_of
 from schemas.trajectories import ExperienceRef, Turn
 
-LogProbs_adapter: TypeAdapter[Any] = TypeAdapter(LogProbs)
+LOG_PROBS: TypeAdapter[Any] = TypeAdapter(LogProbs)
 
 EXAMPLES: dict[str, Event] = {event.kind: event for event in example_events()}
 
@@ -299,11 +299,11 @@ def test_validated_floats_act_as_tuples_and_keep_their_wire_bytes() -> None:
     unchecked = EmbeddingVector.model_construct(model="m", dim=4, data=plain)
     np.testing.assert_array_equal(unchecked.float16(), view)
     # Log-probs too keep their float32 bytes, and encode from them.
-    turn_logprobs = LogProbs_adapter.validate_python([-0.5, -1.25])
+    turn_logprobs = LOG_PROBS.validate_python([-0.5, -1.25])
     assert turn_logprobs == (-0.5, -1.25) and turn_logprobs.as_array().dtype == np.dtype("<f4")
     assert turn_logprobs == EmbeddingVector.from_array("m", np.array([-0.5, -1.25])).data  # other bytes, same values
     assert sum(turn_logprobs) == -1.75
-    assert LogProbs_adapter.dump_json(turn_logprobs) == json.dumps(b64(np.array([-0.5, -1.25], "<f4").tobytes())
+    assert LOG_PROBS.dump_json(turn_logprobs) == json.dumps(b64(np.array([-0.5, -1.25], "<f4").tobytes())
                                                                    ).encode()
 
 
