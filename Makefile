@@ -1,13 +1,13 @@
 # The two commands a new user runs (README):
-#   make run     create .venv (pip, CPU torch 2.13.0) and run the main job
-#   make test    create .venv and run the whole test suite
+#   make run     create .venv (pip; torch 2.13.0) and run the main job
+#   make test    create .venv, fetch Apache Kafka's jars, and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test venv clean
+.PHONY: run test venv kafka-jars clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +17,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Apache Kafka 4.1.1's jars from Maven Central into ~/.cache/complementary-rl (once; every sha256 checked each time).
+kafka-jars: venv
+	$(BIN)/python -m infra.apache_kafka fetch
+
 # The main job: Complementary RL end to end on the CPU default (embedded broker, every worker, live progress),
 # leaving a run directory with the archive, the bank, checkpoints, logs and report.html (~6.5 minutes the first time, 3-5 once the warm starts are cached).
 run: venv
 	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
 
-test: venv
+test: venv kafka-jars
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 clean:

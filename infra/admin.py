@@ -2,7 +2,9 @@
 
 Creation is idempotent: an existing topic with the registry's partition count is left alone; one with a different
 count is an error (partitions cannot be changed later on the embedded broker, and changing them on Kafka re-keys
-the log). Retention is set as a topic config (`retention.ms`, -1 = forever); Tansu accepts and ignores it.
+the log). Two topic configs are set at creation: retention (`retention.ms`, -1 = forever) and the largest record
+(`max.message.bytes`, so a stock broker's 1 MiB default does not refuse a record at the app's 1 MiB payload cap
+plus its key and headers). Tansu accepts both and ignores them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
 from schemas.topics import TOPICS, Topic
+
+
+TOPIC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""`max.message.bytes` of every topic: the payload cap (1 MiB) with room for batches and headers, as compose's broker."""
 
 
 class TopicMismatchError(RuntimeError):
@@ -69,7 +75,8 @@ def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> 
                         topic.name,
                         topic.partitions,
                         1,
-                        topic_configs={"retention.ms": str(topic.retention_ms)},
+                        topic_configs={"retention.ms": str(topic.retention_ms),
+                                       "max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)},
                     )
                 ]
             )

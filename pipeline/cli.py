@@ -217,21 +217,40 @@ def _admin(run_dir: Path | None, make_admin: Any) -> Any:
 # -- stack ----------------------------------------------------------------------------------------------------------
 
 
+class BrokerChoice(str, Enum):
+    tansu = "tansu"
+    kafka = "kafka"
+
+
+BrokerOption = Annotated[BrokerChoice | None, typer.Option(
+    "--broker", help="Embedded broker: tansu (memory-only, starts in ms) or kafka (Apache Kafka 4.1.1, Java 17, "
+    "durable). Default: CRL_BROKER__KIND, else tansu.")]
+
+
+def _with_broker(settings: Settings, broker: BrokerChoice | None) -> Settings:
+    if broker is None:
+        return settings
+    return settings.model_copy(update={"broker": settings.broker.model_copy(update={"kind": broker.value})})
+
+
 @stack_app.command("up")
 def stack_up(
     run_dir: RunDirOption = None,
     port: Annotated[int | None, typer.Option(help="Loopback port for the broker (default: a free one).")] = None,
+    broker_kind: BrokerOption = None,
 ) -> None:
     """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
     from infra.admin import create_topics
-    from infra.broker import BrokerError, EmbeddedBroker
+    from infra.broker import BrokerError, embedded_broker
     from infra.kafka import make_admin
     from pipeline.settings import BROKER_FILE, write_broker_file
 
-    settings = _settings(run_dir)
+    settings = _with_broker(_settings(run_dir), broker_kind)
     try:
-        broker = EmbeddedBroker(log_path=settings.run_dir / "logs" / "broker.log", port=port,
-                                tansu_bin=settings.tansu_bin).start()
+        broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
+                                 log_path=settings.run_dir / "logs" / "broker.log", port=port)
+        with errors.status(f"starting {broker.description}"):
+            broker.start()
     except BrokerError as exc:
         raise _fail(str(exc)) from exc
     stop = threading.Event()
@@ -243,12 +262,18 @@ def stack_up(
             create_topics(admin)
         finally:
             admin.close()
-        write_broker_file(settings.run_dir, broker.bootstrap_servers, broker.pid)
-        console.print(f"broker  {broker.bootstrap_servers}  (Tansu pid {broker.pid}, log {broker.log_path})")
+        write_broker_file(settings.run_dir, broker.bootstrap_servers, broker.pid, broker.kind)
+        memory = broker.resident_memory_bytes()
+        console.print(f"broker  {broker.bootstrap_servers}  ({broker.description} pid {broker.pid}, started in "
+                      f"{broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB resident, log {broker.log_path})")
         console.print(f"topics  created; run dir {settings.run_dir}")
         console.print(f"use it: export CRL_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}"
                       f"   or pass --run-dir {settings.run_dir}")
-        console.print("Ctrl-C stops the broker (its records live in memory only; the archive keeps them).")
+        if broker.durable:
+            console.print(f"Ctrl-C stops the broker; its log stays in {settings.run_dir / 'kafka'} and the same "
+                          "command continues it.")
+        else:
+            console.print("Ctrl-C stops the broker (its records live in memory only; the archive keeps them).")
         while not stop.wait(0.5):
             if not broker.is_running():
                 raise _fail("the broker exited unexpectedly; see its log")
@@ -321,6 +346,7 @@ def run(
     steps: Annotated[int | None, typer.Option(help="Override scheduler.steps (e.g. 3 for a smoke run).")] = None,
     arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
     report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,
+    broker_kind: BrokerOption = None,
 ) -> None:
     """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
     from kafka.errors import KafkaError
@@ -333,6 +359,8 @@ def run(
         overrides["CRL_SCHEDULER__STEPS"] = str(steps)
     if arm is not None:
         overrides["CRL_SCHEDULER__ARM"] = arm.value
+    if broker_kind is not None:
+        overrides["CRL_BROKER__KIND"] = broker_kind.value
     chosen_dir = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
                              else default_run_dir(config))
     os.environ.update(overrides)  # this is the settings edge: the workers get the same overrides
@@ -385,11 +413,13 @@ def run(
 def doctor(
     embedded: Annotated[bool, typer.Option("--embedded", help="Start a throwaway embedded broker to check.")] = False,
     run_dir: RunDirOption = None,
+    broker_kind: BrokerOption = None,
 ) -> None:
-    """Check broker, topics, a Kafka round trip of every event kind, SQL, embedding model and NLE; exit 1 on any failure."""
+    """Check broker, its limits, topics, a Kafka round trip of every event kind, SQL, embedding model and NLE; exit 1
+    on any failure."""
     from pipeline.doctor import run_checks
 
-    checks = run_checks(_settings(run_dir), embedded=embedded)
+    checks = run_checks(_with_broker(_settings(run_dir), broker_kind), embedded=embedded)
     table = Table("check", "result", "detail")
     for check in checks:
         table.add_row(check.name, "[green]ok[/green]" if check.ok else "[red]FAIL[/red]", check.detail)

@@ -3,7 +3,8 @@
     crl doctor --embedded      # starts a throwaway embedded broker and checks against it
     crl doctor                 # checks the broker of CRL_KAFKA__BOOTSTRAP_SERVERS (or of the run dir)
 
-Checks: broker reachable; every registry topic present with its partition count; a round trip through Kafka of one
+Checks: broker reachable; the broker's limits against the client's settings (group session timeout, record size,
+topic retention; each failure names the setting to change); every registry topic present with its partition count; a round trip through Kafka of one
 valid example of every event kind (decoded equal; through the registry topics of the throwaway embedded broker, or
 through a scratch topic deleted afterwards on an external Kafka, whose run topics get no test events); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is
 set); the embedding model loads offline; NLE / MiniHack import and step.
@@ -20,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kafka import TopicPartition
-from kafka.admin import NewTopic
+from kafka import KafkaAdminClient, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
-from infra.admin import create_topics, existing_partition_counts
-from infra.broker import EmbeddedBroker, wait_until_answers
+from infra.admin import TOPIC_MAX_MESSAGE_BYTES, create_topics, existing_partition_counts
+from infra.broker import embedded_broker, wait_until_answers
 from infra.db import check_connection, current_revision, make_engine, migrate
 from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
 from pipeline.embeddings import load_sentence_encoder
@@ -52,14 +53,16 @@ def _attempt(name: str, action: Callable[[], str]) -> Check:
 def _broker(settings: Settings, embedded: bool, scratch: Path) -> Iterator[tuple[KafkaSettings | None, Check]]:
     if embedded:
         try:
-            broker = EmbeddedBroker(log_path=scratch / "broker.log", tansu_bin=settings.tansu_bin).start()
+            broker = embedded_broker(settings.broker, data_dir=scratch / "kafka",
+                                     log_path=scratch / "broker.log").start()
         except Exception as exc:
             yield None, Check("broker reachable", False, f"embedded broker: {type(exc).__name__}: {exc}")
             return
         try:
             kafka = settings.kafka.model_copy(update={"bootstrap_servers": broker.bootstrap_servers})
-            yield kafka, Check("broker reachable", True, f"embedded Tansu at {broker.bootstrap_servers}"
-                                                         f" (pid {broker.pid})")
+            yield kafka, Check("broker reachable", True, f"embedded {broker.description} at "
+                                                         f"{broker.bootstrap_servers} (pid {broker.pid}, started in "
+                                                         f"{broker.start_seconds:.1f}s)")
         finally:
             broker.stop()
         return
@@ -89,6 +92,94 @@ def _topic_checks(kafka: KafkaSettings, create: bool) -> list[Check]:
             checks.append(Check(f"topic {topic.name}", found == topic.partitions,
                                 f"{found} partitions (registry: {topic.partitions})"))
     return checks
+
+
+TANSU_CLUSTER_ID = "tansu_cluster"
+"""The cluster id every Tansu broker reports; Tansu answers no broker configs and accepts any session timeout."""
+
+RECORD_OVERHEAD_BYTES = 1024
+"""Room a record needs beyond its value: key, headers and the record batch header."""
+
+_BROKER_LIMITS = ("group.min.session.timeout.ms", "group.max.session.timeout.ms", "group.initial.rebalance.delay.ms")
+
+
+def _config_values(admin: KafkaAdminClient, resource: ConfigResource) -> dict[str, str]:
+    described = admin.describe_configs([resource], config_filter="all")
+    entries = next(iter(described.get(resource.resource_type.name.lower(), {}).values()), {})
+    return {name: entry["value"] for name, entry in entries.items() if entry.get("value") is not None}
+
+
+def _limits_checks(kafka: KafkaSettings, max_payload_bytes: int) -> list[Check]:
+    """The broker's limits against the client's settings; every failure names the setting to change."""
+    admin = make_admin(kafka, client_id="crl-doctor")
+    try:
+        cluster = admin.describe_cluster()
+        if cluster.get("cluster_id") == TANSU_CLUSTER_ID:
+            return [Check("broker limits", True, "Tansu reports no broker configs and accepts any group session "
+                                                 "timeout; its retention is memory-only (nothing to compare)")]
+        brokers = [_config_values(admin, ConfigResource(ConfigResourceType.BROKER, str(broker["broker_id"]),
+                                                        dict.fromkeys(_BROKER_LIMITS)))
+                   for broker in cluster["brokers"]]
+        topics = {topic.name: _config_values(admin, ConfigResource(ConfigResourceType.TOPIC, topic.name,
+                                                                   {"max.message.bytes": None, "retention.ms": None}))
+                  for topic in TOPICS}
+    finally:
+        admin.close()
+    return [_session_check(kafka, brokers), _record_size_check(kafka, max_payload_bytes, topics),
+            _retention_check(topics)]
+
+
+def _session_check(kafka: KafkaSettings, brokers: list[dict[str, str]]) -> Check:
+    # Every broker may coordinate a group, so the tightest limits count.
+    low = max(int(b.get("group.min.session.timeout.ms", 6000)) for b in brokers)
+    high = min(int(b.get("group.max.session.timeout.ms", 1_800_000)) for b in brokers)
+    delay = max(int(b.get("group.initial.rebalance.delay.ms", 3000)) for b in brokers)
+    session = kafka.session_timeout_ms
+    notes = f"; groups wait {delay} ms before their first assignment (group.initial.rebalance.delay.ms)" if delay \
+        else ""
+    if session < low:
+        return Check("broker limits: group session", False,
+                     f"CRL_KAFKA__SESSION_TIMEOUT_MS={session} is below the broker's group.min.session.timeout.ms="
+                     f"{low}, so consumer groups cannot join: set CRL_KAFKA__SESSION_TIMEOUT_MS to {low} or more "
+                     "(or lower group.min.session.timeout.ms on the broker)")
+    if session > high:
+        return Check("broker limits: group session", False,
+                     f"CRL_KAFKA__SESSION_TIMEOUT_MS={session} is above the broker's group.max.session.timeout.ms="
+                     f"{high}: set CRL_KAFKA__SESSION_TIMEOUT_MS to {high} or less")
+    return Check("broker limits: group session", True,
+                 f"CRL_KAFKA__SESSION_TIMEOUT_MS={session} within the broker's [{low}, {high}] ms" + notes)
+
+
+def _record_size_check(kafka: KafkaSettings, max_payload_bytes: int, topics: dict[str, dict[str, str]]) -> Check:
+    needed = max_payload_bytes + RECORD_OVERHEAD_BYTES
+    # A topic's max.message.bytes (which `crl topics create` sets) overrides the broker's message.max.bytes.
+    limits = {f"{name} (max.message.bytes)": int(values["max.message.bytes"])
+              for name, values in topics.items() if "max.message.bytes" in values}
+    where, smallest = min(limits.items(), key=lambda item: item[1]) if limits else ("unknown", needed)
+    if smallest < needed:
+        return Check("broker limits: record size", False,
+                     f"{where} accepts records up to {smallest} bytes, but CRL_MAX_PAYLOAD_BYTES={max_payload_bytes} "
+                     f"allows {needed} with key and headers: set CRL_MAX_PAYLOAD_BYTES to at most "
+                     f"{smallest - RECORD_OVERHEAD_BYTES}, or raise that topic's max.message.bytes (`crl topics create` "
+                     f"gives new topics {TOPIC_MAX_MESSAGE_BYTES})")
+    if kafka.max_request_size < needed:
+        return Check("broker limits: record size", False,
+                     f"CRL_KAFKA__MAX_REQUEST_SIZE={kafka.max_request_size} is below the {needed} bytes a record of "
+                     f"CRL_MAX_PAYLOAD_BYTES={max_payload_bytes} needs: raise it")
+    return Check("broker limits: record size", True,
+                 f"records up to {needed} bytes fit; the smallest limit is {where}: {smallest}")
+
+
+def _retention_check(topics: dict[str, dict[str, str]]) -> Check:
+    registry = {topic.name: topic.retention_ms for topic in TOPICS}
+    shorter = {name: int(values["retention.ms"]) for name, values in topics.items()
+               if "retention.ms" in values and registry[name] < 0 and int(values["retention.ms"]) >= 0}
+    if shorter:
+        listing = ", ".join(f"{name} {ms} ms" for name, ms in sorted(shorter.items()))
+        return Check("broker limits: retention", False,
+                     f"the log is the system of record, but these topics delete records by age: {listing}; set "
+                     "retention.ms=-1 on them (kafka-configs.sh --alter --add-config retention.ms=-1)")
+    return Check("broker limits: retention", True, "every registry topic keeps its records as the registry asks")
 
 
 def _round_trip_checks(kafka: KafkaSettings, scratch_topic: str | None, timeout_s: float = 15.0) -> list[Check]:
@@ -196,6 +287,11 @@ def run_checks(settings: Settings, embedded: bool) -> list[Check]:
                 except Exception as exc:
                     topic_checks = [Check("topics", False, f"{type(exc).__name__}: {exc}")]
                 checks += topic_checks
+                if all(check.ok for check in topic_checks):
+                    try:
+                        checks += _limits_checks(kafka, settings.max_payload_bytes)
+                    except Exception as exc:
+                        checks.append(Check("broker limits", False, f"{type(exc).__name__}: {exc}"))
                 if all(check.ok for check in topic_checks):
                     try:
                         scratch = None if embedded else f"crl.doctor-{uuid.uuid4().hex[:12]}"

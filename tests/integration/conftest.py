@@ -1,4 +1,4 @@
-"""Fixtures for integration tests: real databases (and, later, a real broker)."""
+"""Fixtures for integration tests: real databases (the brokers are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,33 +12,47 @@ from sqlalchemy import Engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
 from infra.db import check_connection, make_engine
+from infra.postgres import PostgresCluster, PostgresClusterError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Databases. `db_engine` runs a test once on a SQLite file and once on PostgreSQL, each empty (never migrated).
-# PostgreSQL comes from CRL_TEST_POSTGRES_URL; each test gets its own schema, dropped afterwards. When the server is
-# unreachable the PostgreSQL half is skipped, except on CI (CI=true), which has the server and must fail instead.
+# PostgreSQL is a private cluster the session makes itself (initdb in a temporary directory, trust auth on 127.0.0.1,
+# a free port; stopped at the end, and no other server is touched), or the server CRL_TEST_POSTGRES_URL names. Each
+# test gets its own schema, dropped afterwards. Without PostgreSQL binaries the PostgreSQL half is skipped, except on
+# CI (CI=true), which installs them and must fail instead.
 # ---------------------------------------------------------------------------------------------------------------------
 
-DEFAULT_TEST_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
-def postgres_url() -> str:
-    """The PostgreSQL server for tests; fails on CI and skips elsewhere when it cannot be reached."""
-    url = os.environ.get("CRL_TEST_POSTGRES_URL", DEFAULT_TEST_POSTGRES_URL)
-    # A host that drops packets would otherwise hold the probe for libpq's default of forever.
-    probe_url = make_url(url).update_query_dict({"connect_timeout": "5"})
-    engine = make_engine(probe_url.render_as_string(hide_password=False))
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL database for tests: a private cluster's `test` database, or CRL_TEST_POSTGRES_URL."""
+    url = os.environ.get("CRL_TEST_POSTGRES_URL")
+    if url:
+        # A host that drops packets would otherwise hold the probe for libpq's default of forever.
+        probe_url = make_url(url).update_query_dict({"connect_timeout": "5"})
+        engine = make_engine(probe_url.render_as_string(hide_password=False))
+        try:
+            check_connection(engine)
+        except OperationalError as exc:
+            _unavailable(f"PostgreSQL at {make_url(url)!r} (CRL_TEST_POSTGRES_URL) is unreachable: {exc.orig}")
+        finally:
+            engine.dispose()
+        yield url
+        return
     try:
-        check_connection(engine)
-    except OperationalError as exc:
-        reason = f"PostgreSQL at {make_url(url)!r} is unreachable (set CRL_TEST_POSTGRES_URL): {exc.orig}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        cluster = PostgresCluster.temporary().start()
+    except PostgresClusterError as exc:
+        _unavailable(f"no PostgreSQL for the tests: {exc}")
+    try:
+        yield cluster.create_database("test")
     finally:
-        engine.dispose()
-    return url
+        cluster.remove()
 
 
 @pytest.fixture

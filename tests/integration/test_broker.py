@@ -1,6 +1,7 @@
-"""The runtime against a real broker (embedded Tansu; apache/kafka too when Docker answers).
+"""The runtime against a real broker: each test on embedded Tansu and on Apache Kafka (tests/conftest.py).
 
-Every test starts from empty registry topics (see tests/conftest.py).
+Every test starts from empty registry topics. Tests that only one broker can answer say so in their name: a Tansu
+restart loses its log (memory-only); an Apache Kafka restart keeps it, and workers ride through the outage.
 """
 
 from __future__ import annotations
@@ -323,11 +324,11 @@ def test_sigterm_flushes_buffered_events_and_commits_before_exit(kafka_bootstrap
     assert again.events_in == 0
 
 
-def test_a_restarted_embedded_broker_is_a_new_log_read_from_its_start(tansu_bin, tmp_path):
-    """A run dir reused with a fresh embedded broker: the new log counts from 0 again under new topic ids."""
+def test_a_restarted_tansu_is_a_new_log_read_from_its_start(tansu_bin, tmp_path):
+    """A run dir reused with a fresh Tansu (memory-only): the new log counts from 0 again under new topic ids."""
     from infra.admin import create_topics
-    from infra.broker import EmbeddedBroker
     from infra.kafka import make_admin
+    from infra.tansu import TansuBroker
 
     def fill(bootstrap: str, slots: range) -> None:
         admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
@@ -339,13 +340,13 @@ def test_a_restarted_embedded_broker_is_a_new_log_read_from_its_start(tansu_bin,
             producer.send(TRAJECTORIES.name, key=b"same-partition", value=encode(event))
         producer.close()
 
-    with EmbeddedBroker(tansu_bin=tansu_bin) as first:
+    with TansuBroker(tansu_bin=tansu_bin) as first:
         fill(first.bootstrap_servers, range(30))
         archived = build_runner(Archiver, settings_for(first.bootstrap_servers, tmp_path), instance="a-0",
                                 limits=Limits(max_events=30, timeout_s=30)).run()
         assert archived.events_in == 30
     # The new log is longer than the stored position (40 > 30): offsets alone could not tell the logs apart.
-    with EmbeddedBroker(tansu_bin=tansu_bin) as second:
+    with TansuBroker(tansu_bin=tansu_bin) as second:
         fill(second.bootstrap_servers, range(100, 140))
         again = build_runner(Archiver, settings_for(second.bootstrap_servers, tmp_path), instance="a-1",
                              limits=Limits(max_events=40, timeout_s=30)).run()

@@ -49,7 +49,8 @@ def test_doctor_embedded_passes_every_check():
         assert f"round trip {kind}" in out
     for check in ("SQL SQLite", "embedding model", "NLE / MiniHack"):
         assert check in out
-    checks = 1 + len(TOPICS) + len(EVENT_TYPES) + 3
+    assert "Tansu reports no broker configs" in out  # its limits row says why there is nothing to compare
+    checks = 1 + len(TOPICS) + 1 + len(EVENT_TYPES) + 3
     assert f"{checks} passed, 0 failed" in out
 
 
@@ -68,17 +69,31 @@ def test_doctor_without_a_broker_fails_with_the_reason(tmp_path):
     assert "no broker" in result.stdout
 
 
-def test_stack_up_worker_and_audit_end_to_end(tmp_path):
+STACKS = ["tansu", pytest.param("kafka", marks=pytest.mark.apache_kafka)]
+
+
+def _stack_up(run_dir: Path, kind: str, **popen: object) -> subprocess.Popen:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    return subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(run_dir), "--broker", kind], env=clean,
+                            **popen)  # type: ignore[call-overload]
+
+
+def _wait_for(path: Path, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert path.exists(), f"stack up wrote no {path.name}"
+
+
+@pytest.mark.parametrize("kind", STACKS)
+def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind):
     run_dir = tmp_path / "run"
-    stack = subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    stack = _stack_up(run_dir, kind, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     broker_file = run_dir / "broker.json"
     try:
-        deadline = time.monotonic() + 30
-        while not broker_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert broker_file.exists(), "stack up wrote no broker.json"
+        _wait_for(broker_file)
         broker = json.loads(broker_file.read_text())
+        assert broker["kind"] == kind
         described = crl("topics", "describe", "--run-dir", str(run_dir))
         assert described.returncode == 0, described.stdout + described.stderr
         assert "crl.trajectories" in described.stdout
@@ -105,28 +120,40 @@ def test_stack_up_worker_and_audit_end_to_end(tmp_path):
         assert list((run_dir / "metrics").glob("*.jsonl"))
     finally:
         stack.send_signal(signal.SIGINT)
-        output, _ = stack.communicate(timeout=20)
+        output, _ = stack.communicate(timeout=60)
     assert stack.returncode == 0, output
-    assert "broker stopped" in output
+    assert "broker stopped" in output and "started in" in output and "MiB resident" in output
     assert not broker_file.exists()
     assert not _alive(broker["pid"])
+    if kind == "kafka":
+        # Apache Kafka's log lives in the run directory: the same command continues it, records and all
+        again = _stack_up(run_dir, kind, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_for(broker_file)
+            assert json.loads(broker_file.read_text())["bootstrap_servers"] == broker["bootstrap_servers"]
+            described = crl("topics", "describe", "--run-dir", str(run_dir))
+            assert described.returncode == 0, described.stdout + described.stderr
+            dead_letters = next(line for line in described.stdout.splitlines() if "crl.dead-letters" in line)
+            assert " 2 " in dead_letters  # the two dead letters written before the restart are still there
+        finally:
+            again.send_signal(signal.SIGINT)
+            output, _ = again.communicate(timeout=60)
+        assert again.returncode == 0, output
 
 
-def test_broker_dies_with_its_parent(tmp_path):
-    stack = subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(tmp_path)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+@pytest.mark.parametrize("kind", STACKS)
+def test_broker_dies_with_its_parent(tmp_path, kind):
+    stack = _stack_up(tmp_path, kind, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     broker_file = tmp_path / "broker.json"
-    deadline = time.monotonic() + 30
-    while not broker_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for(broker_file)
     pid = json.loads(broker_file.read_text())["pid"]
     assert _alive(pid)
     stack.kill()  # SIGKILL: no cleanup code runs in the parent
     stack.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 40  # Apache Kafka shuts down in a controlled way on the SIGTERM it is sent
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), "the Tansu child outlived its killed parent"
+    assert not _alive(pid), f"the {kind} child outlived its killed parent"
 
 
 def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
@@ -160,8 +187,8 @@ def test_every_command_has_help_text():
         assert name in top
 
 
-def test_topics_create_then_doctor_against_an_external_broker(tansu):
-    env = {"CRL_KAFKA__BOOTSTRAP_SERVERS": tansu.bootstrap_servers}
+def test_topics_create_then_doctor_against_an_external_broker(empty_kafka):
+    env = {"CRL_KAFKA__BOOTSTRAP_SERVERS": empty_kafka.bootstrap_servers}
     before = crl("doctor", env=env)
     assert before.returncode == 1 and "missing: run `crl topics create`" in before.stdout
     created = crl("topics", "create", env=env)
@@ -171,13 +198,18 @@ def test_topics_create_then_doctor_against_an_external_broker(tansu):
     assert again.stdout.count("exists") == len(TOPICS)  # idempotent
     after = crl("doctor", env=env)
     assert after.returncode == 0, after.stdout + after.stderr
-    assert f"Kafka at {tansu.bootstrap_servers}" in after.stdout
+    assert f"Kafka at {empty_kafka.bootstrap_servers}" in after.stdout
     assert "via crl.doctor-" in after.stdout
+    if empty_kafka.tier == "apache-kafka":
+        # the broker's limits, read from the broker, against the client's settings
+        assert "CRL_KAFKA__SESSION_TIMEOUT_MS=6000 within the broker's [6000, 1800000] ms" in after.stdout
+        assert "records up to 1049600 bytes fit" in after.stdout
+        assert "every registry topic keeps its records" in after.stdout
     # Nothing was written into the run topics, and the scratch topic is gone.
     from infra.admin import describe_topics, existing_partition_counts
     from infra.kafka import KafkaSettings, make_admin, make_consumer
 
-    kafka = KafkaSettings(bootstrap_servers=tansu.bootstrap_servers)
+    kafka = KafkaSettings(bootstrap_servers=empty_kafka.bootstrap_servers)
     admin, consumer = make_admin(kafka), make_consumer(kafka)
     try:
         assert all(status.messages == 0 for status in describe_topics(admin, consumer))
@@ -185,3 +217,16 @@ def test_topics_create_then_doctor_against_an_external_broker(tansu):
     finally:
         admin.close()
         consumer.close()
+
+
+@pytest.mark.apache_kafka
+def test_doctor_names_the_client_setting_apache_kafka_refuses(apache_kafka_bootstrap):
+    """The defect Tansu hid: a 2 s group session is below Apache Kafka's default minimum of 6 s."""
+    result = crl("doctor", env={"CRL_KAFKA__BOOTSTRAP_SERVERS": apache_kafka_bootstrap, "CRL_KAFKA__SESSION_TIMEOUT_MS": "2000",
+                                "CRL_KAFKA__HEARTBEAT_INTERVAL_MS": "500", "CRL_MAX_PAYLOAD_BYTES": "9000000",
+                                "COLUMNS": "1000"})  # wide enough that no detail wraps
+    assert result.returncode == 1
+    out = result.stdout
+    assert "CRL_KAFKA__SESSION_TIMEOUT_MS=2000 is below the broker's group.min.session.timeout.ms=6000" in out
+    assert "set CRL_KAFKA__SESSION_TIMEOUT_MS to 6000 or more" in out
+    assert "set CRL_MAX_PAYLOAD_BYTES to at most 8387584" in out

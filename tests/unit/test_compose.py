@@ -4,6 +4,8 @@
   engine); skipped when the binary is missing, except under CI=true where that is a failure;
 - every image is pinned; Kafka has a healthcheck and topic auto-creation off; workers wait for a healthy Kafka and
   for topic-init, which runs `crl topics create`;
+- the compose broker, the embedded Apache Kafka (`infra/apache_kafka.py`) and the client settings agree: the same
+  Kafka release, the same broker settings, and a group session timeout that a stock broker accepts;
 - the worker services (command `worker ...`) are exactly the keys of `workers.WORKERS`, service name = key with
   `_` replaced by `-`;
 - the Dockerfile pins its base image and the same torch as pyproject.toml, and its entrypoint is `crl`.
@@ -26,6 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
+from infra.apache_kafka import BROKER_POLICY, KAFKA_VERSION
+from infra.kafka import KafkaSettings
 from workers import WORKERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +111,27 @@ def test_kafka_has_a_healthcheck_and_no_topic_auto_creation(services: dict[str, 
     kafka = services["kafka"]
     assert "kafka-broker-api-versions.sh" in " ".join(kafka["healthcheck"]["test"])
     assert _environment(kafka)["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+
+
+def test_compose_kafka_and_the_embedded_apache_kafka_agree(services: dict[str, dict[str, Any]]) -> None:
+    kafka = services["kafka"]
+    assert kafka["image"] == f"apache/kafka:{KAFKA_VERSION}"
+    compose = {key.removeprefix("KAFKA_").lower().replace("_", "."): str(value)
+               for key, value in _environment(kafka).items()}
+    assert {key: compose.get(key) for key in BROKER_POLICY} == BROKER_POLICY
+
+
+def test_client_sessions_fit_the_broker_limits_everywhere(services: dict[str, dict[str, Any]]) -> None:
+    """Apache Kafka refuses group sessions outside [group.min.session.timeout.ms, group.max.session.timeout.ms]
+    (6,000 and 1,800,000 ms unless configured); neither broker of this project changes them."""
+    policies = [BROKER_POLICY, {key.removeprefix("KAFKA_").lower().replace("_", "."): str(value)
+                                for key, value in _environment(services["kafka"]).items()}]
+    client = KafkaSettings()
+    for policy in policies:
+        low = int(policy.get("group.min.session.timeout.ms", 6000))
+        high = int(policy.get("group.max.session.timeout.ms", 1_800_000))
+        assert low <= client.session_timeout_ms <= high
+    assert client.heartbeat_interval_ms * 3 <= client.session_timeout_ms
 
 
 def test_topic_init_creates_topics_once_kafka_is_healthy(services: dict[str, dict[str, Any]]) -> None:

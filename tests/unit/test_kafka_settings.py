@@ -64,6 +64,6 @@ def test_bootstrap_comes_from_the_run_dir_broker_file_when_not_configured(monkey
     settings = Settings(run_dir=tmp_path)
     with pytest.raises(ConfigError, match="no broker"):
         settings.resolve_kafka()
-    path = write_broker_file(tmp_path, "127.0.0.1:4242", pid=7)
-    assert json.loads(path.read_text()) == {"bootstrap_servers": "127.0.0.1:4242", "pid": 7}
+    path = write_broker_file(tmp_path, "127.0.0.1:4242", pid=7, kind="tansu")
+    assert json.loads(path.read_text()) == {"bootstrap_servers": "127.0.0.1:4242", "pid": 7, "kind": "tansu"}
     assert settings.resolve_kafka().bootstrap_servers == "127.0.0.1:4242"
