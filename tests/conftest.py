@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from infra.admin import create_topics
-from infra.apache_kafka import KAFKA_VERSION, ApacheKafkaBroker, locate_java
+from infra.apache_kafka import KAFKA_VERSION, ApacheKafkaBroker, install_kafka_jars, locate_java
 from infra.broker import BrokerError, wait_until_answers
 from infra.kafka import KafkaSettings, make_admin
 from infra.tansu import TansuBroker, locate_tansu
@@ -121,6 +121,18 @@ def _apache_kafka_container() -> Iterator[str]:
         yield f"{host}:{port}"
     finally:
         container.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_jars() -> list[Path]:
+    """Apache Kafka's pinned jars, for tests that start brokers of their own (they need Java, as the tier does)."""
+    try:
+        locate_java()
+        return install_kafka_jars()
+    except BrokerError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Apache Kafka cannot run here: {exc}")
+        pytest.skip(f"Apache Kafka cannot run here: {exc}")
 
 
 @pytest.fixture(scope="session")

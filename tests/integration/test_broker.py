@@ -14,13 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer, TopicPartition
 
-from infra.kafka import KafkaSettings, make_consumer
+from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.audit import Audit
 from pipeline.launch import build_runner
 from pipeline.runner import Limits, Origin, Processor, Source, SourceIO, WorkerRunner
@@ -30,7 +30,7 @@ from schemas.codec import decode, encode
 from schemas.dead_letters import DeadLetter
 from schemas.examples import example_events
 from schemas.runs import RunFinished, StopRequested
-from schemas.topics import CONTROL, DEAD_LETTERS, RUNS, TOPICS, TRAJECTORIES, topic_named, topic_of
+from schemas.topics import CONTROL, DEAD_LETTERS, RUNS, TOPICS, TRAJECTORIES, topic_named
 from schemas.trajectories import TrajectoryCompleted
 from workers.archiver import Archiver
 
@@ -324,35 +324,198 @@ def test_sigterm_flushes_buffered_events_and_commits_before_exit(kafka_bootstrap
     assert again.events_in == 0
 
 
+def _read_two_logs_in_turn(run_dir: Path, new_log: Callable[[], str]) -> None:
+    """Archive a log, then the next log under the same topic names (`new_log()` makes each, returns its address):
+    the second is read from its start, although it is longer than the stored position (40 > 30), so offsets alone
+    could not tell the logs apart."""
+    for instance, slots in (("a-0", range(30)), ("a-1", range(100, 140))):
+        bootstrap = new_log()
+        producer = KafkaProducer(bootstrap_servers=bootstrap)
+        for slot in slots:
+            producer.send(TRAJECTORIES.name, key=b"same-partition", value=encode(_trajectory(slot)))
+        producer.close()
+        archived = build_runner(Archiver, settings_for(bootstrap, run_dir), instance=instance,
+                                limits=Limits(max_events=len(slots), timeout_s=30)).run()
+        assert archived.events_in == len(slots)
+    with Audit(run_dir) as audit:
+        _, archived_slots = audit.query("SELECT slot FROM trajectory_completed ORDER BY slot")
+        _, logs = audit.query("SELECT count(DISTINCT log_id) FROM events")
+    assert [row[0] for row in archived_slots] == [*range(30), *range(100, 140)]  # nothing skipped, nothing replaced
+    assert logs == [(2,)]
+
+
 def test_a_restarted_tansu_is_a_new_log_read_from_its_start(tansu_bin, tmp_path):
     """A run dir reused with a fresh Tansu (memory-only): the new log counts from 0 again under new topic ids."""
     from infra.admin import create_topics
     from infra.kafka import make_admin
     from infra.tansu import TansuBroker
 
-    def fill(bootstrap: str, slots: range) -> None:
-        admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
+    brokers: list[TansuBroker] = []
+
+    def restart() -> str:
+        if brokers:
+            brokers[-1].stop()
+        brokers.append(TansuBroker(tansu_bin=tansu_bin).start())
+        admin = make_admin(KafkaSettings(bootstrap_servers=brokers[-1].bootstrap_servers))
         create_topics(admin)
         admin.close()
-        producer = KafkaProducer(bootstrap_servers=bootstrap)
-        for slot in slots:
-            event = _trajectory(slot)
-            producer.send(TRAJECTORIES.name, key=b"same-partition", value=encode(event))
-        producer.close()
+        return brokers[-1].bootstrap_servers
 
-    with TansuBroker(tansu_bin=tansu_bin) as first:
-        fill(first.bootstrap_servers, range(30))
-        archived = build_runner(Archiver, settings_for(first.bootstrap_servers, tmp_path), instance="a-0",
-                                limits=Limits(max_events=30, timeout_s=30)).run()
-        assert archived.events_in == 30
-    # The new log is longer than the stored position (40 > 30): offsets alone could not tell the logs apart.
-    with TansuBroker(tansu_bin=tansu_bin) as second:
-        fill(second.bootstrap_servers, range(100, 140))
-        again = build_runner(Archiver, settings_for(second.bootstrap_servers, tmp_path), instance="a-1",
-                             limits=Limits(max_events=40, timeout_s=30)).run()
-        assert again.events_in == 40
-    with Audit(tmp_path) as audit:
-        _, slots = audit.query("SELECT slot FROM trajectory_completed ORDER BY slot")
-        _, logs = audit.query("SELECT count(DISTINCT log_id) FROM events")
-    assert [row[0] for row in slots] == [*range(30), *range(100, 140)]  # nothing skipped, nothing replaced
-    assert logs == [(2,)]
+    try:
+        _read_two_logs_in_turn(tmp_path, restart)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+@pytest.mark.apache_kafka
+def test_a_re_created_topic_on_apache_kafka_is_a_new_log_read_from_its_start(apache_kafka_bootstrap, tmp_path):
+    """Apache Kafka keeps its log across restarts, but a topic deleted and created again is a new log under a new
+    topic id, and an assign-mode worker's stored positions must not skip its first records."""
+    from infra.admin import create_topics, topic_ids
+    from infra.kafka import make_admin
+
+    ids: list[dict[str, str]] = []
+
+    def re_create() -> str:
+        admin = make_admin(KafkaSettings(bootstrap_servers=apache_kafka_bootstrap))
+        try:
+            if ids:
+                admin.delete_topics([TRAJECTORIES.name])
+                deadline = time.monotonic() + 30
+                while TRAJECTORIES.name in admin.list_topics() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                create_topics(admin)
+            ids.append(topic_ids(admin, [TRAJECTORIES.name]))
+        finally:
+            admin.close()
+        return apache_kafka_bootstrap
+
+    _read_two_logs_in_turn(tmp_path, re_create)
+    assert ids[0] != ids[1]
+
+
+@pytest.mark.apache_kafka
+def test_workers_ride_through_an_apache_kafka_restart_in_the_middle_of_a_stream(kafka_jars, tmp_path):
+    """Stop Apache Kafka (SIGTERM) while events stream in and start it again on the same log: every acknowledged
+    record is archived once, the group worker answers every request, nobody restarts a worker, positions resume."""
+    from infra.admin import create_topics
+    from infra.apache_kafka import ApacheKafkaBroker
+    from infra.kafka import make_admin, make_producer
+
+    broker = ApacheKafkaBroker(data_dir=tmp_path / "kafka", log_path=tmp_path / "broker.log").start()
+    bootstrap = broker.bootstrap_servers
+    kafka = KafkaSettings(bootstrap_servers=bootstrap)
+    admin = make_admin(kafka)
+    create_topics(admin)
+    admin.close()
+    run_dir = tmp_path / "run"
+    archiver = _archiver_process(bootstrap, run_dir, tmp_path / "archiver.out", flush_rows=100, flush_interval_s=0.3)
+    settings = Settings(run_dir=run_dir, run_id="restart-it", kafka=kafka,
+                        runner=RunnerSettings(poll_timeout_ms=100, metrics_interval_s=1.0),
+                        archiver=ArchiverSettings(flush_rows=100, flush_interval_s=0.3))
+    answering = build_runner(CountStops, settings, instance="answer-0")
+    answer_thread = threading.Thread(target=answering.run, daemon=True)
+    answer_thread.start()
+    producer = make_producer(kafka, client_id="restart-test")
+    total, stops = 1200, 60
+    sent: list = []
+    produced_ids: set[str] = set()
+    restart: dict[str, float] = {}
+
+    def stream() -> None:
+        for slot in range(total):
+            event = _trajectory(slot).model_copy(update={"run_id": "restart-it"})
+            produced_ids.add(str(event.event_id))
+            sent.append(producer.send(TRAJECTORIES.name, key=f"g{slot % 16}".encode(), value=encode(event)))
+            if slot % (total // stops) == 0:
+                stop = StopRequested(run_id="restart-it", producer=WHO, reason=f"stop-{slot}")
+                produced_ids.add(str(stop.event_id))
+                sent.append(producer.send(CONTROL.name, key=CONTROL.key_bytes(stop), value=encode(stop)))
+            time.sleep(0.01)
+
+    streamer = threading.Thread(target=stream)
+    try:
+        streamer.start()
+        time.sleep(4)  # mid-stream: the workers are consuming
+        began = time.monotonic()
+        broker.stop()
+        restart["stopped_s"] = time.monotonic() - began
+        time.sleep(1.0)
+        broker.start()
+        restart["down_s"] = time.monotonic() - began
+        assert broker.bootstrap_servers == bootstrap
+        streamer.join(timeout=120)
+        producer.flush(timeout=120)
+        failed = [future.exception for future in sent if future.failed()]
+        assert not failed, f"{len(failed)} sends failed, first: {failed[0]}"  # nothing acknowledged was lost
+        assert len(sent) == total + stops
+
+        deadline = time.monotonic() + 90
+        archived: list = []
+        answers: list[RunFinished] = []
+        while time.monotonic() < deadline:
+            with Audit(run_dir) as audit:
+                _, archived = audit.query("SELECT event_id FROM events WHERE kind != 'RunFinished'")
+            answers = _read_all(kafka, RUNS.name)
+            if len(archived) >= total + stops and {a.reason for a in answers} >= {f"stop-{s}" for s in
+                                                                                  range(0, total, total // stops)}:
+                break
+            time.sleep(0.5)
+        assert archiver.poll() is None, "the archiver exited: " + (tmp_path / "archiver.out").read_text()[-2000:]
+        assert answer_thread.is_alive(), "the group worker gave up"
+        assert {row[0] for row in archived} == produced_ids
+        assert len(archived) == total + stops  # every event archived once (the audit drops re-archived repeats)
+        reasons = [a.reason for a in answers]
+        assert set(reasons) == {f"stop-{s}" for s in range(0, total, total // stops)}
+        # at-least-once: a request handled while its commit could not reach the broker is answered again, no more
+        repeats = len(reasons) - len(set(reasons))
+        with Audit(run_dir) as audit:
+            raw = audit.query(f"SELECT count(*) FROM read_parquet('{run_dir / 'archive'}/*/*.parquet') "
+                              "WHERE kind != 'RunFinished'")[1][0][0]
+        print(f"broker restart: stopped in {restart['stopped_s']:.1f}s, down {restart['down_s']:.1f}s; "
+              f"answers repeated {repeats}; archived rows {raw} for {total + stops} events")
+        assert repeats <= stops // 2
+        # positions resumed: the group committed up to the end of crl.control (the archiver's are its own, in SQL)
+        deadline = time.monotonic() + 30
+        while _committed(kafka, "crl-count-stops", CONTROL.name) != stops and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _committed(kafka, "crl-count-stops", CONTROL.name) == stops
+    finally:
+        answering.request_stop("test over")
+        answer_thread.join(timeout=30)
+        archiver.send_signal(signal.SIGTERM)
+        try:
+            archiver.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            archiver.kill()
+        producer.close(timeout=10)
+        broker.stop()
+    assert archiver.returncode == 0, (tmp_path / "archiver.out").read_text()[-3000:]
+
+
+def _read_all(kafka: KafkaSettings, topic: str) -> list:
+    consumer = make_consumer(kafka, client_id="restart-reader")
+    try:
+        partitions = [TopicPartition(topic, 0)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        events = []
+        while batches := consumer.poll(timeout_ms=300):
+            for batch in batches.values():
+                events += [decode(RUNS, record.value) for record in batch]
+        return events
+    finally:
+        consumer.close(autocommit=False)
+
+
+def _committed(kafka: KafkaSettings, group: str, topic: str) -> int | None:
+    admin = make_admin(kafka)
+    try:
+        offsets = admin.list_group_offsets(group)[group]
+    finally:
+        admin.close()
+    for tp, offset in offsets.items():
+        if tp.topic == topic:
+            return offset.offset
+    return None
