@@ -1,12 +1,13 @@
 """Event-backbone throughput, measured side by side in one run on both embedded brokers (Tansu, Apache Kafka).
 
-    python benchmarks/bus_throughput.py --quick     # about a minute
+    python benchmarks/bus_throughput.py --quick     # about 10 s
     python benchmarks/bus_throughput.py             # 10x the events
     python benchmarks/bus_throughput.py --brokers tansu   # one broker only
 
 Prints `name=value` lines:
 - `trajectory_bytes_base64`, `trajectory_bytes_json_lists`, `size_ratio_json_lists_over_base64`: one realistic
-  trajectory (30 turns, 300 prompt + 8 response tokens each, 32k vocabulary) with compact base64 arrays vs the same as JSON lists;
+  trajectory (30 turns, 300 prompt + 8 response tokens each, 32k vocabulary) with compact base64 arrays vs the same
+  as JSON lists;
 - `encode_per_s`, `decode_per_s`: codec speed on that trajectory (decode includes full validation);
 then per broker B (`tansu`, `kafka`), each on a fresh broker of its own:
 - `broker_start_s_B`: from launch to answering metadata requests (Apache Kafka: storage format + JVM start; the jars
@@ -15,6 +16,7 @@ then per broker B (`tansu`, `kafka`), each on a fresh broker of its own:
 - `archiver_events_per_s_B`: events consumed, validated and archived to Parquet by the archiver worker;
 - `archiver_over_produce_ratio_B`: how the consuming side keeps up with the producing side;
 and, with both brokers, `produce_kafka_over_tansu` and `archiver_kafka_over_tansu` (ratios of the rates above).
+A broker that cannot start here prints `broker_unavailable_B=<reason>` instead of its figures.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra.admin import create_topics  # noqa: E402
-from infra.broker import BrokerSettings, embedded_broker  # noqa: E402
+from infra.broker import BrokerError, BrokerSettings, embedded_broker  # noqa: E402
 from infra.kafka import KafkaSettings, make_admin, make_producer  # noqa: E402
 from pipeline.launch import build_runner  # noqa: E402
 from pipeline.runner import Limits  # noqa: E402
@@ -65,7 +67,7 @@ def rate(count: int, seconds: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer events (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="fewer events (about 10 s)")
     parser.add_argument("--brokers", nargs="+", choices=("tansu", "kafka"), default=["tansu", "kafka"],
                         help="which embedded brokers to measure (default: both, side by side)")
     args = parser.parse_args()
@@ -90,7 +92,10 @@ def main() -> None:
 
     rates: dict[str, dict[str, float]] = {}
     for kind in args.brokers:
-        rates[kind] = bus_rates(kind, events_total)
+        try:
+            rates[kind] = bus_rates(kind, events_total)
+        except BrokerError as exc:
+            print(f"broker_unavailable_{kind}={exc}")
     if {"tansu", "kafka"} <= set(rates):
         for name in ("produce", "archiver"):
             print(f"{name}_kafka_over_tansu={rates['kafka'][name] / rates['tansu'][name]:.2f}")

@@ -26,11 +26,11 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import http.client
 import json
 import logging
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.broker_process import BrokerError, BrokerProcess, free_loopback_port
+from infra.broker_process import BrokerError, BrokerProcess, free_loopback_port, port_is_free
 
 log = logging.getLogger(__name__)
 
@@ -141,28 +141,39 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _download(url: str, target: Path, jar: LockedJar, attempts: int = 3) -> None:
-    """Download `url` to `target` through a temporary file; the file appears only once its sha256 matches."""
-    last: Exception | None = None
+    """Download `url` to `target` through a temporary file; the file appears only once its sha256 matches.
+
+    A transfer that fails or ends short is tried again; a complete file with other bytes is refused at once."""
+    last: str = ""
     for attempt in range(1, attempts + 1):
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{jar.filename}.", delete=False) as tmp:
-            partial = Path(tmp.name)
-            try:
+        partial: Path | None = None
+        try:
+            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{jar.filename}.", delete=False) as tmp:
+                partial = Path(tmp.name)
                 with urllib.request.urlopen(url, timeout=60) as response:
                     shutil.copyfileobj(response, tmp, 1 << 20)
-            except (urllib.error.URLError, OSError) as exc:
-                last = exc
+            size = partial.stat().st_size
+            if size == jar.size:
+                got = file_sha256(partial)
+                if got != jar.sha256:
+                    raise BrokerError(f"{url}: sha256 {got} differs from the lock's {jar.sha256} ({LOCK_FILE}); "
+                                      "refusing to run a jar that is not the pinned one")
+                partial.chmod(0o644)  # a shared cache must be readable by everyone who runs the broker
+                partial.replace(target)
+                partial = None
+                return
+            last = f"got {size} bytes, the lock says {jar.size}"
+        except ValueError as exc:  # urllib's answer to a repository address that is not a URL
+            raise BrokerError(f"cannot download {url}: {exc} (CRL_BROKER__MAVEN_REPOSITORY must be a URL)") from exc
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        finally:
+            if partial is not None:
                 partial.unlink(missing_ok=True)
-                time.sleep(attempt)
-                continue
-        got = file_sha256(partial)
-        if got != jar.sha256:
-            partial.unlink(missing_ok=True)
-            raise BrokerError(f"{url}: sha256 {got} differs from the lock's {jar.sha256} ({LOCK_FILE}); "
-                              "refusing to run a jar that is not the pinned one")
-        partial.replace(target)
-        return
-    raise BrokerError(f"could not download {url} after {attempts} attempts: {last} (Apache Kafka's jars come from "
-                      "Maven Central; set CRL_BROKER__MAVEN_REPOSITORY to a mirror, or use --broker tansu)")
+        if attempt < attempts:
+            time.sleep(attempt)
+    raise BrokerError(f"could not download {url} after {attempts} attempts ({last}); Apache Kafka's jars come from "
+                      "Maven Central: set CRL_BROKER__MAVEN_REPOSITORY to a mirror, or use --broker tansu")
 
 
 def install_kafka_jars(cache_dir: Path | None = None, repository: str = MAVEN_CENTRAL) -> list[Path]:
@@ -191,7 +202,8 @@ def _matches(path: Path, jar: LockedJar) -> bool:
 
 
 def write_lock(pom: Path = POM_FILE, lock: Path = LOCK_FILE) -> list[LockedJar]:
-    """Resolve `pom` with Maven (`mvn dependency:copy-dependencies`) and write the lock from the resolved jars."""
+    """Resolve `pom` with Maven (`mvn dependency:list`, which downloads the jars into ~/.m2) and write the lock from
+    the resolved jars. Fails when Maven resolves nothing or lists an artifact this parser does not understand."""
     mvn = shutil.which("mvn")
     if mvn is None:
         raise BrokerError("writing the lock needs Maven (`mvn`) on PATH")
@@ -201,14 +213,20 @@ def write_lock(pom: Path = POM_FILE, lock: Path = LOCK_FILE) -> list[LockedJar]:
                         f"-DoutputFile={listing}", "-DoutputAbsoluteArtifactFilename=true"], check=True)
         jars = []
         for line in listing.read_text().splitlines():
-            match = re.match(r"\s+([^:\s]+):([^:]+):jar:([^:]+):(?:compile|runtime):(.+\.jar)$", line)
-            if match:
-                group, artifact, version, path = match.groups()
-                jar_path = Path(path)
-                jars.append(LockedJar(f"{group}:{artifact}:{version}", jar_path.stat().st_size,
-                                      file_sha256(jar_path)))
+            if ":jar:" not in line:
+                continue
+            # group:artifact:jar:version:scope:/path/to/artifact-version.jar[ -- module name]
+            match = re.match(r"\s*([^:\s]+):([^:]+):jar:([^:]+):(?:compile|runtime):(\S+?\.jar)\b", line)
+            if match is None:
+                raise BrokerError(f"cannot read this line of `mvn dependency:list`: {line!r}")
+            group, artifact, version, path = match.groups()
+            jar_path = Path(path)
+            jars.append(LockedJar(f"{group}:{artifact}:{version}", jar_path.stat().st_size, file_sha256(jar_path)))
+    if not jars:
+        raise BrokerError(f"Maven resolved no jars from {pom}")
     jars.sort(key=lambda jar: jar.coordinates)
-    header = (f"# Apache Kafka {KAFKA_VERSION}: the broker's runtime jars as Maven resolves infra/kafka-broker/pom.xml.\n"
+    header = (f"# Apache Kafka {KAFKA_VERSION}: the broker's runtime jars as Maven resolves "
+              "infra/kafka-broker/pom.xml.\n"
               "# Written by `python -m infra.apache_kafka lock`; infra/apache_kafka.py downloads exactly these files.\n"
               "# sha256 size group:artifact:version\n")
     lock.write_text(header + "".join(f"{j.sha256} {j.size} {j.coordinates}\n" for j in jars))
@@ -220,7 +238,10 @@ def write_lock(pom: Path = POM_FILE, lock: Path = LOCK_FILE) -> list[LockedJar]:
 
 def java_major_version(java: str) -> int:
     """The major version `java -version` reports (8 for '1.8.0_402', 17 for '17.0.15')."""
-    result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    try:
+        result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BrokerError(f"cannot run `{java} -version`: {exc} (set CRL_BROKER__JAVA to a Java 17+ binary)") from exc
     match = re.search(r'version "(\d+)(?:\.(\d+))?', result.stderr + result.stdout)
     if result.returncode != 0 or match is None:
         raise BrokerError(f"`{java} -version` failed: {(result.stderr or result.stdout).strip()[:300]}")
@@ -246,7 +267,7 @@ def locate_java(override: Path | str | None = None) -> str:
 
 
 def new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (what `kafka-storage random-uuid` prints)."""
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as `kafka-storage random-uuid`)."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
@@ -310,13 +331,9 @@ class ApacheKafkaBroker(BrokerProcess):
         if not path.exists():
             return {}
         ports = json.loads(path.read_text())
-        for port in (ports["port"], ports["controller_port"]):
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                return {}
-        return ports
+        if all(port_is_free(port) for port in (ports["port"], ports["controller_port"])):
+            return ports
+        return {}
 
     def _prepare(self) -> None:
         self._java = locate_java(self.java)

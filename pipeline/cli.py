@@ -117,6 +117,8 @@ def _load(
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     _State.log_level = log_level.value
     _configure_logging(log_level.value)
+    if "CRL_TANSU_BIN" in os.environ:
+        errors.print("[yellow]warning:[/yellow] CRL_TANSU_BIN is ignored; the setting is now CRL_BROKER__TANSU_BIN")
     try:
         _State.settings = Settings(config=config) if config is not None else Settings()
     except ConfigError as exc:

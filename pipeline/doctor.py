@@ -1,13 +1,14 @@
 """`crl doctor`: checks that everything a run needs is here and works, one row per check.
 
-    crl doctor --embedded      # starts a throwaway embedded broker and checks against it
+    crl doctor --embedded      # starts a throwaway embedded broker and checks against it (--broker kafka: Apache Kafka)
     crl doctor                 # checks the broker of CRL_KAFKA__BOOTSTRAP_SERVERS (or of the run dir)
 
 Checks: broker reachable; the broker's limits against the client's settings (group session timeout, record size,
-topic retention; each failure names the setting to change); every registry topic present with its partition count; a round trip through Kafka of one
-valid example of every event kind (decoded equal; through the registry topics of the throwaway embedded broker, or
-through a scratch topic deleted afterwards on an external Kafka, whose run topics get no test events); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is
-set); the embedding model loads offline; NLE / MiniHack import and step.
+topic retention; each failure names the setting to change); every registry topic present with its partition count;
+a round trip through Kafka of one valid example of every event kind (decoded equal; through the registry topics of
+the throwaway embedded broker, or through a scratch topic deleted afterwards on an external Kafka, whose run topics
+get no test events); the SQL database (SQLite, and PostgreSQL when CRL_DB__URL is set); the embedding model loads
+offline; NLE / MiniHack import and step.
 """
 
 from __future__ import annotations
@@ -130,10 +131,15 @@ def _limits_checks(kafka: KafkaSettings, max_payload_bytes: int) -> list[Check]:
 
 
 def _session_check(kafka: KafkaSettings, brokers: list[dict[str, str]]) -> Check:
+    unreported = sorted({name for broker in brokers for name in _BROKER_LIMITS if name not in broker})
+    if unreported:
+        return Check("broker limits: group session", False,
+                     f"the broker did not report {', '.join(unreported)}; compare them with "
+                     f"CRL_KAFKA__SESSION_TIMEOUT_MS={kafka.session_timeout_ms} by hand")
     # Every broker may coordinate a group, so the tightest limits count.
-    low = max(int(b.get("group.min.session.timeout.ms", 6000)) for b in brokers)
-    high = min(int(b.get("group.max.session.timeout.ms", 1_800_000)) for b in brokers)
-    delay = max(int(b.get("group.initial.rebalance.delay.ms", 3000)) for b in brokers)
+    low = max(int(b["group.min.session.timeout.ms"]) for b in brokers)
+    high = min(int(b["group.max.session.timeout.ms"]) for b in brokers)
+    delay = max(int(b["group.initial.rebalance.delay.ms"]) for b in brokers)
     session = kafka.session_timeout_ms
     notes = f"; groups wait {delay} ms before their first assignment (group.initial.rebalance.delay.ms)" if delay \
         else ""
@@ -155,13 +161,17 @@ def _record_size_check(kafka: KafkaSettings, max_payload_bytes: int, topics: dic
     # A topic's max.message.bytes (which `crl topics create` sets) overrides the broker's message.max.bytes.
     limits = {f"{name} (max.message.bytes)": int(values["max.message.bytes"])
               for name, values in topics.items() if "max.message.bytes" in values}
-    where, smallest = min(limits.items(), key=lambda item: item[1]) if limits else ("unknown", needed)
+    if len(limits) < len(topics):
+        missing = sorted(set(topics) - {name.split(" ")[0] for name in limits})
+        return Check("broker limits: record size", False,
+                     f"the broker did not report max.message.bytes of {', '.join(missing)}")
+    where, smallest = min(limits.items(), key=lambda item: item[1])
     if smallest < needed:
         return Check("broker limits: record size", False,
                      f"{where} accepts records up to {smallest} bytes, but CRL_MAX_PAYLOAD_BYTES={max_payload_bytes} "
                      f"allows {needed} with key and headers: set CRL_MAX_PAYLOAD_BYTES to at most "
-                     f"{smallest - RECORD_OVERHEAD_BYTES}, or raise that topic's max.message.bytes (`crl topics create` "
-                     f"gives new topics {TOPIC_MAX_MESSAGE_BYTES})")
+                     f"{smallest - RECORD_OVERHEAD_BYTES}, or raise that topic's max.message.bytes "
+                     f"(`crl topics create` gives new topics {TOPIC_MAX_MESSAGE_BYTES})")
     if kafka.max_request_size < needed:
         return Check("broker limits: record size", False,
                      f"CRL_KAFKA__MAX_REQUEST_SIZE={kafka.max_request_size} is below the {needed} bytes a record of "
@@ -172,6 +182,10 @@ def _record_size_check(kafka: KafkaSettings, max_payload_bytes: int, topics: dic
 
 def _retention_check(topics: dict[str, dict[str, str]]) -> Check:
     registry = {topic.name: topic.retention_ms for topic in TOPICS}
+    unreported = sorted(name for name, values in topics.items() if "retention.ms" not in values)
+    if unreported:
+        return Check("broker limits: retention", False,
+                     f"the broker did not report retention.ms of {', '.join(unreported)}")
     shorter = {name: int(values["retention.ms"]) for name, values in topics.items()
                if "retention.ms" in values and registry[name] < 0 and int(values["retention.ms"]) >= 0}
     if shorter:

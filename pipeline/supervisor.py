@@ -490,5 +490,5 @@ def default_run_dir(config: Path) -> Path:
 
 def check_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(f"run directory {run_dir} is not empty: a run starts from an empty directory "
-                          "(the embedded broker keeps nothing between runs); pick another --run-dir")
+        raise ConfigError(f"run directory {run_dir} is not empty: a run starts from an empty directory; "
+                          "pick another --run-dir")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from infra.admin import create_topics
-from infra.apache_kafka import KAFKA_VERSION, ApacheKafkaBroker, install_kafka_jars, locate_java
+from infra.apache_kafka import BROKER_POLICY, KAFKA_VERSION, ApacheKafkaBroker, install_kafka_jars, locate_java
 from infra.broker import BrokerError, wait_until_answers
 from infra.kafka import KafkaSettings, make_admin
 from infra.tansu import TansuBroker, locate_tansu
@@ -92,20 +92,12 @@ def _apache_kafka_container() -> Iterator[str]:
     container = (
         DockerContainer(APACHE_KAFKA_IMAGE)
         .with_exposed_ports(9092)
-        .with_env("KAFKA_NODE_ID", "1")
-        .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
         .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
-        .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
         .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
         .with_env("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT")
-        .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
-        .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
-        .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
-        .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
-        .with_env("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false")
-        .with_env("KAFKA_LOG_RETENTION_MS", "-1")
-        .with_env("KAFKA_MESSAGE_MAX_BYTES", "8388608")
     )
+    for key, value in BROKER_POLICY.items():  # the settings of the compose service and of the embedded broker
+        container.with_env("KAFKA_" + key.upper().replace(".", "_"), value)
     # The advertised address must be the mapped host port, known only after start: set it through the entrypoint.
     container.with_command(
         "bash -c 'until [ -f /tmp/advertised ]; do sleep 0.1; done; "
@@ -125,14 +117,18 @@ def _apache_kafka_container() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def kafka_jars() -> list[Path]:
-    """Apache Kafka's pinned jars, for tests that start brokers of their own (they need Java, as the tier does)."""
+    """Apache Kafka's pinned jars, for tests that start brokers of their own: skipped without Java (a failure on CI);
+    where Java runs, a failure to install them fails the test."""
     try:
         locate_java()
-        return install_kafka_jars()
     except BrokerError as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"Apache Kafka cannot run here: {exc}")
         pytest.skip(f"Apache Kafka cannot run here: {exc}")
+    try:
+        return install_kafka_jars()
+    except BrokerError as exc:
+        pytest.fail(f"Java runs here, so Apache Kafka must: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -158,17 +154,22 @@ def apache_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def reset_apache_kafka(bootstrap: str, create: bool) -> None:
-    """Delete every topic and consumer group a previous test left; create the registry topics when asked."""
+    """Delete every topic and consumer group a previous test left; create the registry topics when asked.
+
+    A group that cannot be deleted (a process of an earlier test still holds it) or a topic that does not go away
+    fails the test that finds it, not a later one that would read its records."""
     admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
     try:
         groups = [group["group_id"] for group in admin.list_groups()]
         if groups:
-            admin.delete_groups(groups)  # a group a leftover process still holds stays; its test has failed anyway
+            refused = {group: outcome for group, outcome in admin.delete_groups(groups).items() if outcome != "OK"}
+            assert not refused, f"consumer groups left by an earlier test could not be deleted: {refused}"
         existing = [name for name in admin.list_topics() if not name.startswith("__")]
         if existing:
             admin.delete_topics(existing)
             deadline = time.monotonic() + 30
-            while set(existing) & set(admin.list_topics()) and time.monotonic() < deadline:
+            while set(existing) & set(admin.list_topics()):
+                assert time.monotonic() < deadline, f"topics not deleted within 30 s: {existing}"
                 time.sleep(0.1)
         if create:
             create_topics(admin)

@@ -25,7 +25,7 @@ def _crl(*args: str, env: dict[str, str], timeout: float) -> subprocess.Complete
     return subprocess.run([*CRL, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_tiny_loop_completes_on_apache_kafka_and_both_replays_match(tmp_path):
+def test_the_tiny_loop_completes_on_apache_kafka_and_both_replays_match(kafka_jars, tmp_path):
     run_dir = tmp_path / "on-kafka"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     env.update({"HF_HUB_OFFLINE": "1", "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1", "CRL_SCHEDULER__EVAL_EVERY": "0"})

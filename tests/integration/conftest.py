@@ -46,10 +46,11 @@ def postgres_url() -> Iterator[str]:
         yield url
         return
     try:
-        cluster = PostgresCluster.temporary().start()
+        cluster = PostgresCluster.temporary()
     except PostgresClusterError as exc:
         _unavailable(f"no PostgreSQL for the tests: {exc}")
     try:
+        cluster.start()
         yield cluster.create_database("test")
     finally:
         cluster.remove()

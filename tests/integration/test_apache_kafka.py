@@ -91,11 +91,17 @@ def test_jars_are_installed_only_when_every_sha256_matches(kafka_jars, tmp_path)
     (tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "lib" / victim.filename).write_bytes(b"tampered")
     forged = repository / victim.repository_path
     forged.unlink()
-    forged.write_bytes(b"not the pinned jar")
+    forged.write_bytes(b"x" * victim.size)  # the right size, other bytes
     with pytest.raises(BrokerError, match=f"{victim.filename}: sha256 .* differs from the lock"):
         install_kafka_jars(tmp_path / "cache", repository.as_uri())
-    # the forged bytes never took the jar's place in the cache
-    assert (tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "lib" / victim.filename).read_bytes() == b"tampered"
+    forged.write_bytes(b"cut short")  # a transfer that ends early is tried again, then reported as such
+    with pytest.raises(BrokerError, match=f"could not download .*{victim.filename} after 3 attempts "
+                                          f"\\(got 9 bytes, the lock says {victim.size}\\)"):
+        install_kafka_jars(tmp_path / "cache", repository.as_uri())
+    # the forged bytes never took the jar's place in the cache, and no partial download was left behind
+    lib = tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "lib"
+    assert (lib / victim.filename).read_bytes() == b"tampered"
+    assert not list(lib.glob(".*"))
 
 
 def test_a_group_session_below_the_broker_minimum_is_refused_and_the_defaults_join(apache_kafka_bootstrap):
@@ -127,15 +133,18 @@ def test_a_group_session_below_the_broker_minimum_is_refused_and_the_defaults_jo
 
 def test_a_stock_broker_takes_records_at_the_payload_cap_and_doctor_reads_its_limits(kafka_jars, tmp_path):
     """A broker left at Kafka's defaults (1 MiB + 12 bytes per record, 7 days' retention, 3 s initial rebalance
-    delay): topics made by `crl topics create` still take a record at the app's 1 MiB payload cap, and `crl doctor`
-    reports the limits it reads, failing on a topic that would delete records by age."""
+    delay) and with a group minimum of its own: topics made by `crl topics create` still take a record at the app's
+    1 MiB payload cap, and `crl doctor` reports the limits it reads, failing on a session below that minimum and on a
+    topic that would delete records by age."""
     from kafka.admin import ConfigResource, ConfigResourceType
 
     from infra.admin import TOPIC_MAX_MESSAGE_BYTES
     from pipeline.doctor import _limits_checks
     from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES
 
-    stock = {"message.max.bytes": "1048588", "log.retention.ms": "604800000", "group.initial.rebalance.delay.ms": "3000"}
+    stock = {"message.max.bytes": "1048588", "log.retention.ms": "604800000",
+             "group.initial.rebalance.delay.ms": "3000",
+             "group.min.session.timeout.ms": "7000", "group.max.session.timeout.ms": "900000"}
     with ApacheKafkaBroker(data_dir=tmp_path / "kafka", log_path=tmp_path / "broker.log", overrides=stock) as broker:
         kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
         admin = make_admin(kafka)
@@ -149,7 +158,16 @@ def test_a_stock_broker_takes_records_at_the_payload_cap_and_doctor_reads_its_li
         assert checks["broker limits: record size"].ok
         assert str(TOPIC_MAX_MESSAGE_BYTES) in checks["broker limits: record size"].detail
         assert checks["broker limits: retention"].ok  # the registry topics were created with retention -1
-        assert "groups wait 3000 ms" in checks["broker limits: group session"].detail
+        session = checks["broker limits: group session"]
+        assert not session.ok
+        assert "CRL_KAFKA__SESSION_TIMEOUT_MS=6000 is below the broker's group.min.session.timeout.ms=7000" in \
+            session.detail
+        fitting = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, session_timeout_ms=8000)
+        checks = {check.name: check for check in _limits_checks(fitting, DEFAULT_MAX_PAYLOAD_BYTES)}
+        session = checks["broker limits: group session"]
+        assert session.ok, session.detail
+        assert session.detail == ("CRL_KAFKA__SESSION_TIMEOUT_MS=8000 within the broker's [7000, 900000] ms; groups "
+                                  "wait 3000 ms before their first assignment (group.initial.rebalance.delay.ms)")
         admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, CONTROL.name, {"retention.ms": "86400000"})])
         retention = {c.name: c for c in _limits_checks(kafka, DEFAULT_MAX_PAYLOAD_BYTES)}["broker limits: retention"]
         admin.close()

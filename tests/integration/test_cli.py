@@ -54,6 +54,18 @@ def test_doctor_embedded_passes_every_check():
     assert f"{checks} passed, 0 failed" in out
 
 
+@pytest.mark.apache_kafka
+def test_doctor_embedded_apache_kafka_passes_every_check_and_reads_the_broker_limits(kafka_jars):
+    result = crl("doctor", "--embedded", "--broker", "kafka", env={"COLUMNS": "1000"}, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "embedded Apache Kafka 4.1.1 at 127.0.0.1:" in out
+    assert "CRL_KAFKA__SESSION_TIMEOUT_MS=6000 within the broker's [6000, 1800000] ms" in out
+    assert "records up to 1049600 bytes fit" in out and "every registry topic keeps its records" in out
+    checks = 1 + len(TOPICS) + 3 + len(EVENT_TYPES) + 3
+    assert f"{checks} passed, 0 failed" in out
+
+
 def test_doctor_checks_postgresql_when_configured_and_fails_on_a_bad_url(postgres_url):
     good = crl("doctor", "--embedded", env={"CRL_DB__URL": postgres_url})
     assert good.returncode == 0, good.stdout + good.stderr
@@ -74,6 +86,7 @@ STACKS = ["tansu", pytest.param("kafka", marks=pytest.mark.apache_kafka)]
 
 def _stack_up(run_dir: Path, kind: str, **popen: object) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    clean["COLUMNS"] = "300"  # one line per message
     return subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(run_dir), "--broker", kind], env=clean,
                             **popen)  # type: ignore[call-overload]
 
@@ -86,7 +99,9 @@ def _wait_for(path: Path, timeout_s: float = 90) -> None:
 
 
 @pytest.mark.parametrize("kind", STACKS)
-def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind):
+def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind, request):
+    if kind == "kafka":
+        request.getfixturevalue("kafka_jars")  # skipped without Java, like every Apache Kafka test
     run_dir = tmp_path / "run"
     stack = _stack_up(run_dir, kind, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     broker_file = run_dir / "broker.json"
@@ -142,7 +157,9 @@ def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", STACKS)
-def test_broker_dies_with_its_parent(tmp_path, kind):
+def test_broker_dies_with_its_parent(tmp_path, kind, request):
+    if kind == "kafka":
+        request.getfixturevalue("kafka_jars")
     stack = _stack_up(tmp_path, kind, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     broker_file = tmp_path / "broker.json"
     _wait_for(broker_file)
@@ -222,7 +239,8 @@ def test_topics_create_then_doctor_against_an_external_broker(empty_kafka):
 @pytest.mark.apache_kafka
 def test_doctor_names_the_client_setting_apache_kafka_refuses(apache_kafka_bootstrap):
     """The defect Tansu hid: a 2 s group session is below Apache Kafka's default minimum of 6 s."""
-    result = crl("doctor", env={"CRL_KAFKA__BOOTSTRAP_SERVERS": apache_kafka_bootstrap, "CRL_KAFKA__SESSION_TIMEOUT_MS": "2000",
+    result = crl("doctor", env={"CRL_KAFKA__BOOTSTRAP_SERVERS": apache_kafka_bootstrap,
+                                "CRL_KAFKA__SESSION_TIMEOUT_MS": "2000",
                                 "CRL_KAFKA__HEARTBEAT_INTERVAL_MS": "500", "CRL_MAX_PAYLOAD_BYTES": "9000000",
                                 "COLUMNS": "1000"})  # wide enough that no detail wraps
     assert result.returncode == 1

@@ -67,3 +67,10 @@ def test_bootstrap_comes_from_the_run_dir_broker_file_when_not_configured(monkey
     path = write_broker_file(tmp_path, "127.0.0.1:4242", pid=7, kind="tansu")
     assert json.loads(path.read_text()) == {"bootstrap_servers": "127.0.0.1:4242", "pid": 7, "kind": "tansu"}
     assert settings.resolve_kafka().bootstrap_servers == "127.0.0.1:4242"
+
+
+def test_group_defaults_fit_a_stock_apache_kafka_and_heartbeats_must_fit_the_session():
+    settings = KafkaSettings()
+    assert 6000 <= settings.session_timeout_ms <= 1_800_000  # Apache Kafka's default group.min/max.session.timeout.ms
+    with pytest.raises(ValidationError, match="heartbeat_interval_ms .* must be below session_timeout_ms"):
+        KafkaSettings(session_timeout_ms=6000, heartbeat_interval_ms=6000)
