@@ -161,9 +161,15 @@ def reset_apache_kafka(bootstrap: str, create: bool) -> None:
     admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
     try:
         groups = [group["group_id"] for group in admin.list_groups()]
-        if groups:
+        # A member that died without leaving keeps its group non-empty until its session times out (6 s).
+        deadline = time.monotonic() + 20
+        while groups:
             refused = {group: outcome for group, outcome in admin.delete_groups(groups).items() if outcome != "OK"}
-            assert not refused, f"consumer groups left by an earlier test could not be deleted: {refused}"
+            assert not refused or time.monotonic() < deadline, \
+                f"consumer groups left by an earlier test could not be deleted: {refused}"
+            groups = list(refused)
+            if groups:
+                time.sleep(0.5)
         existing = [name for name in admin.list_topics() if not name.startswith("__")]
         if existing:
             admin.delete_topics(existing)
