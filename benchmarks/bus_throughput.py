@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from infra.admin import create_topics  # noqa: E402
 from infra.broker import BrokerError, BrokerSettings, embedded_broker  # noqa: E402
 from infra.kafka import KafkaSettings, make_admin, make_producer  # noqa: E402
-from pipeline.launch import build_runner  # noqa: E402
-from pipeline.runner import Limits  # noqa: E402
-from pipeline.settings import ArchiverSettings, RunnerSettings, Settings  # noqa: E402
-from pipeline.transport import KafkaOutput  # noqa: E402
+from pipeline.runtime.launch import build_runner  # noqa: E402
+from pipeline.runtime.runner import Limits  # noqa: E402
+from pipeline.runtime.settings import RunnerSettings
+from pipeline.runtime.transport import KafkaOutput  # noqa: E402
+from pipeline.settings import ArchiverSettings, Settings  # noqa: E402
 from schemas.codec import decode, encode  # noqa: E402
 from schemas.examples import example_events  # noqa: E402
 from schemas.topics import TRAJECTORIES, topic_of  # noqa: E402

@@ -50,7 +50,7 @@ def run_arm(arm: str, seed: int, steps: int, run_dir: Path) -> None:
 def curve(run_dir: Path) -> tuple[list[tuple[int, int, int, int]], tuple[int, int], tuple[int, int]]:
     """Per train step (step, cumulative env steps, successes, episodes), and the first and the last evaluation
     (successes, episodes) on the fixed eval pool."""
-    from pipeline.audit import Audit
+    from pipeline.audit.views import Audit
 
     with Audit(run_dir) as audit:
         rows = audit.query("SELECT step, sum(num_actions), sum(success::INT), count(*) FROM trajectories "

@@ -45,10 +45,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.bank.embeddings import BUNDLED_MODEL, load_sentence_encoder  # noqa: E402
 from pipeline.bank.replica import LocalBank  # noqa: E402
+from pipeline.bank.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text  # noqa: E402
 from pipeline.bank.synthetic import embedding_like, synthetic_bank  # noqa: E402
-from pipeline.embeddings import BUNDLED_MODEL, load_sentence_encoder  # noqa: E402
-from pipeline.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text  # noqa: E402
 
 FAMILY = "minihack-room"
 TASKS = 16

@@ -34,7 +34,6 @@ import random
 import sys
 import threading
 import time
-
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see benchmarks/retrieval.py
@@ -123,8 +122,9 @@ def extractor_load(stop) -> None:  # type: ignore[no-untyped-def]
 
 
 def play(policy, batch, retriever) -> tuple[float, int, float]:  # type: ignore[no-untyped-def]
-    from pipeline.rollout import EpisodePlayer
-    from pipeline.settings import EnvSettings, RolloutSettings
+    from pipeline.actor.episodes import EpisodePlayer
+    from pipeline.actor.settings import RolloutSettings
+    from pipeline.envs.settings import EnvSettings
     from schemas.base import Producer
 
     player = EpisodePlayer(RolloutSettings(max_new_tokens=6, generation_micro_batch=64), EnvSettings(),
@@ -143,7 +143,7 @@ def play(policy, batch, retriever) -> tuple[float, int, float]:  # type: ignore[
 
 def raw_env_steps_per_s(seconds: float) -> float:
     from pipeline.envs.registry import make_env
-    from pipeline.settings import EnvSettings
+    from pipeline.envs.settings import EnvSettings
 
     env = make_env(ENV_ID, EnvSettings(), max_turns=100)
     rng = random.Random(0)
@@ -172,10 +172,10 @@ def main() -> None:
 
     import torch
 
-    from pipeline.embeddings import load_sentence_encoder
+    from pipeline.bank.embeddings import load_sentence_encoder
+    from pipeline.bank.retrieval import Retriever
+    from pipeline.bank.settings import RetrievalSettings
     from pipeline.models import TinyModelSettings, build_tiny
-    from pipeline.retrieval import Retriever
-    from pipeline.settings import RetrievalSettings
 
     torch.set_num_threads(2)
     progress("building the tiny actor, the encoder and the bank")

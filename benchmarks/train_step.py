@@ -31,10 +31,11 @@ import torch  # noqa: E402
 from pipeline.models.tiny import build_tiny  # noqa: E402
 from pipeline.rl.advantages import batch_mean_advantages  # noqa: E402
 from pipeline.rl.losses import policy_loss  # noqa: E402
+from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories  # noqa: E402
+from pipeline.rl.training import actor_advantages, actor_samples  # noqa: E402
 from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step  # noqa: E402
-from pipeline.settings import ActorTrainerSettings, TinyModelSettings  # noqa: E402
-from pipeline.training import actor_advantages, actor_samples  # noqa: E402
+from pipeline.settings import TinyModelSettings  # noqa: E402
 
 
 def timed_steps(policy, samples: list[Sample], variant: str, steps: int, micro_batch_size: int) -> list[float]:

@@ -19,7 +19,6 @@ from kafka.errors import TopicAlreadyExistsError
 
 from schemas.topics import TOPICS, Topic
 
-
 TOPIC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """`max.message.bytes` of every topic: the payload cap (1 MiB) with room for batches and headers, as compose sets
 for its broker."""

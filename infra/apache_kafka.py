@@ -12,7 +12,7 @@ exactly those files into a cache outside any run directory (`~/.cache/complement
 sha256 on every start, and never trusts a file that does not match. Running the broker needs Java 17+, not Maven.
 
 `ApacheKafkaBroker` formats a KRaft storage directory once (single node, broker + controller, a new cluster id),
-writes `server.properties` with the settings of the compose service (`BROKER_POLICY`; tests/unit/test_compose.py
+writes `server.properties` with the settings of the compose service (`BROKER_POLICY`; tests/unit/infra/test_compose.py
 keeps the two equal), starts `kafka.Kafka` on free loopback ports, waits until it answers, and stops it with
 SIGTERM (a controlled shutdown; SIGKILL after 30 s). Its log lives in `data_dir`, so it survives a restart: started
 again on the same directory it serves the same topics, records, topic ids and committed group offsets, on the same

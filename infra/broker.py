@@ -14,6 +14,7 @@ production runs, and every broker test runs on both (README, "Kafka").
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -23,8 +24,9 @@ from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
 from infra.broker_process import BrokerError, BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
 from infra.tansu import TansuBroker, locate_tansu
 
-__all__ = ["BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent", "embedded_broker",
-           "free_loopback_port", "locate_tansu", "wait_until_answers"]
+__all__ = ["BROKER_FILE", "BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent",
+           "embedded_broker", "free_loopback_port", "locate_tansu", "read_broker_file", "remove_broker_file",
+           "wait_until_answers", "write_broker_file"]
 
 EmbeddedBroker = TansuBroker | ApacheKafkaBroker
 
@@ -65,3 +67,25 @@ def embedded_broker(
     return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
                              java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
                              start_timeout_s=settings.start_timeout_s)
+
+
+BROKER_FILE = "broker.json"
+"""Written into the run directory by `crl stack up` / `crl run` while their embedded broker runs: how workers started
+with `--run-dir` find it."""
+
+
+def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None, kind: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / BROKER_FILE
+    path.write_text(json.dumps({"bootstrap_servers": bootstrap_servers, "pid": pid, "kind": kind}))
+    return path
+
+
+def read_broker_file(run_dir: Path) -> dict | None:
+    """What `write_broker_file` wrote for the broker running for `run_dir`, or None when none runs."""
+    path = run_dir / BROKER_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def remove_broker_file(run_dir: Path) -> None:
+    (run_dir / BROKER_FILE).unlink(missing_ok=True)

@@ -4,7 +4,7 @@ Imports flow `schemas <- pipeline <- workers`: workers may use everything, nothi
 this registry through the `crl.workers` entry point in pyproject.toml).
 """
 
-from pipeline.launch import WorkerClass
+from pipeline.runtime.launch import WorkerClass
 from workers.actor_trainer import ActorTrainer
 from workers.archiver import Archiver
 from workers.bank import BankProjection

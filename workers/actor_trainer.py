@@ -12,7 +12,7 @@ and `TrainStepCompleted`, then commits its positions.
 
 Positions never pass a trajectory that is collected but not yet trained, so a restart re-reads exactly what was
 pending; what belongs to steps already trained (the newest checkpoint says which) is ignored. A crash between
-checkpoint and publish is healed on restart by publishing the checkpoint's own events (`pipeline.training`).
+checkpoint and publish is healed on restart by publishing the checkpoint's own events (`pipeline.rl.training`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.episode_metrics import episode_metrics
+from pipeline.actor.metrics import episode_metrics
 from pipeline.errors import ConfigError
-from pipeline.launch import WorkerContext
-from pipeline.offsets import LogPosition, SqlOffsetStore
-from pipeline.runner import Source, SourceIO
-from pipeline.settings import ActorTrainerSettings, Settings
-from pipeline.training import (
+from pipeline.rl.settings import ActorTrainerSettings
+from pipeline.rl.training import (
     PolicyTrainer,
     WarmStart,
     actor_advantages,
@@ -41,7 +38,11 @@ from pipeline.training import (
     events_of,
     unpublished,
 )
-from pipeline.transport import OffsetStore, Position
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
+from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.transport import OffsetStore, Position
+from pipeline.settings import Settings
 from schemas.base import Producer
 from schemas.topics import TRAJECTORIES
 from schemas.training import TrainStepCompleted
@@ -193,7 +194,7 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
     warm = settings.actor_trainer.warm_start
     if warm.steps == 0:
         return None
-    from pipeline.warm_start import warm_start_actor
+    from pipeline.rl.warm_start import warm_start_actor
 
     return lambda policy: warm_start_actor(policy, warm, settings.scheduler.tasks, settings.envs,
                                            settings.rollout.history_turns)
@@ -206,7 +207,7 @@ class ActorTrainer(Source):
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.actor_trainer
-        self.kafka = context.settings.resolve_kafka()
+        self.kafka = context.kafka
         self.frozen = context.settings.scheduler.arm == "exp_only"
         self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
                                      context.settings.resolved_run_id,

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.archive import archive_root, archive_row, write_segments
-from pipeline.launch import WorkerContext
-from pipeline.runner import Origin, Processor
+from pipeline.audit.archive import archive_root, archive_row, write_segments
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.runner import Origin, Processor
 from schemas.base import Event
 from schemas.topics import TOPICS
 

@@ -26,10 +26,10 @@ from pipeline.bank.snapshots import restore_newest, snapshots_root, write_snapsh
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from pipeline.errors import ConfigError
-from pipeline.launch import WorkerContext
-from pipeline.offsets import LogPosition, SqlOffsetStore
-from pipeline.runner import Origin, Processor
-from pipeline.transport import OffsetStore, Position
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
+from pipeline.runtime.runner import Origin, Processor
+from pipeline.runtime.transport import OffsetStore, Position
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated

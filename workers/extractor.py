@@ -4,7 +4,7 @@
 
 Distillation (consumer group on `crl.trajectories`): every train trajectory (or only guided ones,
 `CRL_EXTRACTOR__DISTILL=guided`) of the run is shown to the extractor model with the experiences it was served, as
-they stand in the bank now, by alias (`pipeline.extraction`). One batched generation serves up to `batch_size`
+they stand in the bank now, by alias (`pipeline.extractor.protocol`). One batched generation serves up to `batch_size`
 trajectories. Each answer is parsed strictly; `add` becomes `ExperienceAdded` keyed by the embedding of the
 trajectory's query (goal + first observation), `refine` becomes `ExperienceRefined` expecting the version the
 extractor was shown. The worker publishes `ExtractionGenerated` (prompt and response token ids, sampling log-probs,
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from infra.admin import high_watermarks
 from infra.kafka import make_consumer
-from pipeline.extraction import (
+from pipeline.extractor.protocol import (
     ANSWER_STOP,
     ParseError,
     TrajectoryDigest,
@@ -52,10 +52,10 @@ from pipeline.extraction import (
     parse_distill,
     parse_merge,
 )
-from pipeline.launch import WorkerContext
 from pipeline.models.base import Generation, PolicyModel, SamplingParams
-from pipeline.policy_follower import PolicyFollower
-from pipeline.runner import Source, SourceIO
+from pipeline.models.policy_follower import PolicyFollower
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.runner import Source, SourceIO
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
@@ -103,7 +103,7 @@ class Extractor(Source):
         self.context = context
         self.settings = settings.extractor
         self.arm = settings.scheduler.arm
-        self.kafka = settings.resolve_kafka()
+        self.kafka = context.kafka
         self.run_id = settings.resolved_run_id
         self.embedding_model = settings.embedding.model
         self.producer = Producer(worker=self.name, instance=context.instance)
@@ -157,8 +157,8 @@ class Extractor(Source):
                 io.commit()
 
     def _start(self, io: SourceIO) -> None:
+        from pipeline.bank.embeddings import load_sentence_encoder
         from pipeline.bank.replica import BankReplica
-        from pipeline.embeddings import load_sentence_encoder
 
         settings = self.context.settings
         self.follower.start()
@@ -241,7 +241,7 @@ class Extractor(Source):
                                                  max_chars=s.max_experience_chars), None))
             except ParseError as exc:
                 parsed_all.append(([], str(exc)))
-        from pipeline.retrieval import query_text
+        from pipeline.bank.retrieval import query_text
 
         # Keys only for trajectories that add an experience: one encode call for the batch.
         adding = [t for t, (parsed, _) in zip(trajectories, parsed_all) if any(op.op == "add" for op in parsed)]

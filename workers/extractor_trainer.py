@@ -28,14 +28,14 @@ import torch
 
 from infra.admin import high_watermarks
 from infra.kafka import make_consumer
-from pipeline.launch import WorkerContext
-from pipeline.offsets import FromTheStart
 from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
+from pipeline.rl.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
 from pipeline.rl.update import Sample
-from pipeline.runner import Source, SourceIO
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.offsets import FromTheStart
+from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.transport import OffsetStore, Position
 from pipeline.settings import Settings
-from pipeline.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
-from pipeline.transport import OffsetStore, Position
 from schemas.base import Producer
 from schemas.extractions import ExtractionGenerated
 from schemas.topics import EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
@@ -146,7 +146,7 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
     warm = settings.extractor_trainer.warm_start
     if warm.steps == 0:
         return None
-    from pipeline.warm_start import warm_start_extractor
+    from pipeline.rl.warm_start import warm_start_extractor
 
     return lambda policy: warm_start_extractor(policy, warm, settings.scheduler.tasks, settings.envs,
                                                settings.extractor)
@@ -159,7 +159,7 @@ class ExtractorTrainer(Source):
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.extractor_trainer
-        self.kafka = context.settings.resolve_kafka()
+        self.kafka = context.kafka
         self.arm = context.settings.scheduler.arm
         self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
                                      context.settings.resolved_run_id,

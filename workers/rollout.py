@@ -30,12 +30,12 @@ import logging
 import zlib
 from collections import deque
 
-from pipeline.episode_metrics import episode_metrics, summary_line
-from pipeline.launch import WorkerContext
-from pipeline.policy_follower import PolicyFollower
-from pipeline.rollout import EpisodePlayer
-from pipeline.runner import Origin, Source, SourceIO
-from pipeline.transport import Position
+from pipeline.actor.episodes import EpisodePlayer
+from pipeline.actor.metrics import episode_metrics, summary_line
+from pipeline.models.policy_follower import PolicyFollower
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.runner import Origin, Source, SourceIO
+from pipeline.runtime.transport import Position
 from schemas.base import Producer
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import TASKS
@@ -52,7 +52,7 @@ class Rollout(Source):
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         self.settings = context.settings.rollout
-        self.kafka = context.settings.resolve_kafka()
+        self.kafka = context.kafka
         self.run_id = context.settings.resolved_run_id
         self.follower = PolicyFollower(self.kafka, "actor", client_id=f"{context.instance}-policy")
         self.seed_base = (self.settings.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
@@ -131,9 +131,9 @@ class Rollout(Source):
 
     def _retriever(self):  # type: ignore[no-untyped-def]
         """The bank replica and the encoder, built when the first guided episode arrives (warm-up needs neither)."""
+        from pipeline.bank.embeddings import load_sentence_encoder
         from pipeline.bank.replica import BankReplica
-        from pipeline.embeddings import load_sentence_encoder
-        from pipeline.retrieval import Retriever
+        from pipeline.bank.retrieval import Retriever
 
         settings = self.context.settings
         self._replica = BankReplica(self.kafka, settings.run_dir, settings.bank.exact_threshold).start()

@@ -29,15 +29,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.envs.registry import draw_tasks, env_spec, task_pool
-from pipeline.episode_metrics import episode_metrics, summary_line
-from pipeline.launch import WorkerContext
-from pipeline.offsets import FromTheStart
 from pipeline.provenance import code_version, resolved_config
-from pipeline.runner import Source, SourceIO
+from pipeline.rl.training import read_to_end
+from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.offsets import FromTheStart
+from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.transport import OffsetStore
 from pipeline.settings import Settings
-from pipeline.training import read_to_end
-from pipeline.transport import OffsetStore
 from schemas.base import Event, Producer
 from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
@@ -133,7 +133,7 @@ class Scheduler(Source):
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings
-        self.kafka = context.settings.resolve_kafka()
+        self.kafka = context.kafka
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.actor_version = -1

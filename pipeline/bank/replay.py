@@ -1,29 +1,16 @@
-"""Rebuild the bank from the op log and check it against what the live bank recorded.
-
-    crl replay bank runs/demo                 # ops from the Parquet archive
-    crl replay bank runs/demo --from-kafka    # ops from crl.experience-ops, offset 0 to the end
-
-The replay applies every op to a fresh `BankState`, in log order, and takes the state hash at the offsets where the
-live bank recorded one: the SQL position (`bank_position`) and the newest snapshot. Equal hashes at equal offsets
-are the bank's reproducibility contract; any mismatch is reported and makes the command exit 1.
+"""Replaying an op log into a fresh bank, pure: apply `(offset, op)` pairs in order and take the state hash at the
+offsets where the live bank recorded one. `crl replay bank` (`pipeline.audit.bank_replay`) feeds it ops from the
+archive or from Kafka; the audit's experience views replay the archived log through it.
 """
 
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from kafka import TopicPartition
-
-from infra.kafka import KafkaSettings, make_consumer
-from pipeline.audit import Audit
 from pipeline.bank.state import BankState, ExperienceOp
-from schemas.codec import decode
-from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 
 @dataclass(frozen=True)
@@ -100,57 +87,3 @@ def _replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Check
         result.ops += 1
         take_due()
     return result
-
-
-def archived_logs(run_dir: Path) -> list[tuple[str, int, str]]:
-    """(log id, records, last record time) of every op log in the archive, most recent first."""
-    with Audit(run_dir) as audit:
-        _, rows = audit.query(
-            "SELECT log_id, count(*), max(record_timestamp)::VARCHAR FROM events "
-            f"WHERE topic = '{EXPERIENCE_OPS_TOPIC.name}' GROUP BY log_id ORDER BY max(record_timestamp) DESC"
-        )
-    return [(row[0], row[1], row[2]) for row in rows]
-
-
-def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, ExperienceOp]]:
-    """Every archived record of the op log `log_id`, once per offset, in offset order.
-
-    Not the `events` view: it keeps one row per event id, but the bank consumed records, and the same event can sit
-    at two offsets (a producer retry); the bank counted the second one as a duplicate, so the replay must see it.
-    """
-    with Audit(run_dir) as audit:
-        if not (audit.root / EXPERIENCE_OPS_TOPIC.name).is_dir():
-            return
-        pattern = str(audit.root / EXPERIENCE_OPS_TOPIC.name / "*.parquet").replace("'", "''")
-        _, rows = audit.query(
-            f"SELECT \"offset\", any_value(payload) FROM read_parquet('{pattern}') "
-            f"WHERE log_id = '{log_id.replace(chr(39), '')}' GROUP BY \"offset\" ORDER BY \"offset\""
-        )
-    for offset, payload in rows:
-        yield offset, decode(EXPERIENCE_OPS_TOPIC, payload.encode())  # type: ignore[misc]
-
-
-def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, ExperienceOp]]:
-    """Every op from offset 0 up to the high watermark seen when reading starts (caught up via `highwater()`)."""
-    consumer = make_consumer(kafka, client_id="crl-replay")
-    partition = TopicPartition(EXPERIENCE_OPS_TOPIC.name, 0)
-    try:
-        consumer.assign([partition])
-        consumer.seek_to_beginning(partition)
-        target: int | None = None
-        last_progress = time.monotonic()
-        position = 0
-        while True:
-            batches = consumer.poll(timeout_ms=200)
-            for record in batches.get(partition, []):
-                position = record.offset + 1
-                last_progress = time.monotonic()
-                yield record.offset, decode(EXPERIENCE_OPS_TOPIC, record.value)  # type: ignore[misc]
-            if target is None:
-                target = consumer.highwater(partition)
-            if target is not None and position >= target:
-                return
-            if time.monotonic() - last_progress > idle_timeout_s:
-                raise TimeoutError(f"no op records for {idle_timeout_s}s at offset {position} (high watermark {target})")
-    finally:
-        consumer.close(autocommit=False)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.state import BankState
-from pipeline.durable import file_sha256, fsync_directory, fsync_file
-
+from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
 
 log = logging.getLogger(__name__)
 

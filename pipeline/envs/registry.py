@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pipeline.envs.base import TextEnv
+from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.errors import ConfigError
-from pipeline.settings import EnvSettings, SchedulerSettings, TaskMix
 from schemas.base import Split
 
 
@@ -129,7 +130,20 @@ def task_pool(env_id: str, split: Split, size: int, seed: int) -> tuple[int, ...
     return tuple(seeds)
 
 
-def draw_tasks(settings: SchedulerSettings, step: int, groups: int) -> list[tuple[TaskMix, int]]:
+class TaskMixture(Protocol):
+    """What a step's draw needs of a run's settings (the scheduler's section has these fields)."""
+
+    @property
+    def tasks(self) -> Sequence[TaskMix]: ...
+
+    @property
+    def train_pool_size(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+
+def draw_tasks(settings: TaskMixture, step: int, groups: int) -> list[tuple[TaskMix, int]]:
     """The (mixture entry, task seed) of each of a step's `groups` groups: entries in proportion to their weights
     (largest remainder, so a 2-env mixture with 4 groups gets exactly 2 each), seeds drawn from each entry's train
     pool. A pure function of (settings, step): a restarted scheduler draws the same tasks."""

@@ -33,9 +33,9 @@ from urllib.request import url2pathname
 
 import torch
 
-from pipeline.durable import file_sha256, fsync_directory, fsync_file
 from pipeline.errors import CheckpointError
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
+from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"

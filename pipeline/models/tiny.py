@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from pipeline.errors import ConfigError
+from pipeline.models.settings import TinyModelSettings
 from pipeline.models.transformers_backend import TransformersPolicy
-from pipeline.settings import TinyModelSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

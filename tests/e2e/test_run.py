@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import Audit
+from pipeline.audit.views import Audit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.apache_kafka import KAFKA_VERSION
-from pipeline.audit import Audit
+from pipeline.audit.views import Audit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.apache_kafka, pytest.mark.timeout(1500)]
 

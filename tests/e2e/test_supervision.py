@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import Audit
+from pipeline.audit.views import Audit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -92,7 +92,7 @@ def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
 
 def test_crl_run_uses_the_kafka_it_is_given(kafka_bootstrap, tmp_path):
     from infra.kafka import KafkaSettings
-    from pipeline.training import read_to_end
+    from pipeline.rl.training import read_to_end
     from schemas.runs import RunFinished
     from schemas.topics import RUNS
 

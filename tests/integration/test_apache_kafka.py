@@ -139,7 +139,7 @@ def test_a_stock_broker_takes_records_at_the_payload_cap_and_doctor_reads_its_li
     from kafka.admin import ConfigResource, ConfigResourceType
 
     from infra.admin import TOPIC_MAX_MESSAGE_BYTES
-    from pipeline.doctor import _limits_checks
+    from pipeline.run.doctor import _limits_checks
     from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES
 
     stock = {"message.max.bytes": "1048588", "log.retention.ms": "604800000",

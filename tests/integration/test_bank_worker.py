@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from infra.db import database_url, make_engine, migrate
-from infra.db import DbSettings
+from infra.db import DbSettings, database_url, make_engine, migrate
 from pipeline.bank.replay import replay
 from pipeline.bank.snapshots import newest_snapshot, read_snapshot, snapshots_root
 from pipeline.bank.store import BankStore
@@ -123,11 +122,14 @@ def test_bank_killed_mid_batch_and_restarted_matches_a_clean_rebuild(kafka_boots
 
 
 def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstrap, tmp_path):
-    from pipeline.launch import build_runner
-    from pipeline.runner import Limits
-    from pipeline.settings import BankSettings, RunnerSettings, Settings
-    from infra.kafka import KafkaSettings, make_consumer
     from kafka import TopicPartition
+
+    from infra.kafka import KafkaSettings, make_consumer
+    from pipeline.bank.settings import BankSettings
+    from pipeline.runtime.launch import build_runner
+    from pipeline.runtime.runner import Limits
+    from pipeline.runtime.settings import RunnerSettings
+    from pipeline.settings import Settings
     from workers.bank import BankProjection
 
     ops = synthetic_op_log(250, seed=3)
@@ -155,11 +157,14 @@ def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstr
 
 
 def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bootstrap, tmp_path):
-    from infra.kafka import KafkaSettings
-    from pipeline.launch import build_runner
-    from pipeline.runner import Limits
-    from pipeline.settings import BankSettings, RunnerSettings, Settings
     from sqlalchemy import text
+
+    from infra.kafka import KafkaSettings
+    from pipeline.bank.settings import BankSettings
+    from pipeline.runtime.launch import build_runner
+    from pipeline.runtime.runner import Limits
+    from pipeline.runtime.settings import RunnerSettings
+    from pipeline.settings import Settings
     from workers.archiver import Archiver
     from workers.bank import BankProjection
 
@@ -199,9 +204,10 @@ def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bo
 
 def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp_path):
     from infra.kafka import KafkaSettings
-    from pipeline.launch import build_runner
-    from pipeline.runner import Limits
-    from pipeline.settings import RunnerSettings, Settings
+    from pipeline.runtime.launch import build_runner
+    from pipeline.runtime.runner import Limits
+    from pipeline.runtime.settings import RunnerSettings
+    from pipeline.settings import Settings
     from schemas.examples import example_events
     from schemas.topics import TRAJECTORIES
     from schemas.trajectories import ExperienceRef, TrajectoryCompleted
@@ -243,9 +249,10 @@ def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp
 
 def test_extractor_training_steps_count_per_experience(kafka_bootstrap, tmp_path):
     from infra.kafka import KafkaSettings
-    from pipeline.launch import build_runner
-    from pipeline.runner import Limits
-    from pipeline.settings import RunnerSettings, Settings
+    from pipeline.runtime.launch import build_runner
+    from pipeline.runtime.runner import Limits
+    from pipeline.runtime.settings import RunnerSettings
+    from pipeline.settings import Settings
     from schemas.examples import example_events
     from schemas.extractions import ExtractionGenerated
     from schemas.topics import EXTRACTIONS, TRAIN_STEPS

@@ -21,10 +21,11 @@ import pytest
 from kafka import KafkaProducer, TopicPartition
 
 from infra.kafka import KafkaSettings, make_admin, make_consumer
-from pipeline.audit import Audit
-from pipeline.launch import build_runner
-from pipeline.runner import Limits, Origin, Processor, Source, SourceIO, WorkerRunner
-from pipeline.settings import ArchiverSettings, RunnerSettings, Settings
+from pipeline.audit.views import Audit
+from pipeline.runtime.launch import build_runner
+from pipeline.runtime.runner import Limits, Origin, Processor, Source, SourceIO, WorkerRunner
+from pipeline.runtime.settings import RunnerSettings
+from pipeline.settings import ArchiverSettings, Settings
 from schemas.base import Event, Producer
 from schemas.codec import decode, encode
 from schemas.dead_letters import DeadLetter

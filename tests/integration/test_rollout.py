@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from worker_processes import _env, _send, _start, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint
-from pipeline.training import read_to_end
+from pipeline.rl.training import read_to_end
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import ExperienceAdded
@@ -26,7 +27,6 @@ from schemas.tasks import EpisodeAssigned
 from schemas.topics import CONTROL, POLICY, RUNS, TASKS, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import Timings, TrajectoryCompleted, Turn
-from worker_processes import _env, _send, _start, _stop, _wait_for
 
 pytestmark = pytest.mark.integration
 

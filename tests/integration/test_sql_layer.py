@@ -1,4 +1,4 @@
-"""The SQL layer on real databases: migrations (`infra.db`) and the assign-mode offset store (`pipeline.offsets`).
+"""The SQL layer on real databases: migrations (`infra.db`) and the assign-mode offset store (`pipeline.runtime.offsets`).
 
 Every test taking `db_engine` runs twice, on a SQLite file and on PostgreSQL (see conftest.py). Run with:
 
@@ -29,7 +29,7 @@ from infra.db import (
     migrate,
     session_factory,
 )
-from pipeline.offsets import LogPosition, SqlOffsetStore
+from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
 
 pytestmark = pytest.mark.integration
 

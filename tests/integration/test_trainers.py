@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
+from worker_processes import CRL, _env, _send, _start, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
-from pipeline.training import read_to_end
+from pipeline.rl.training import read_to_end
 from schemas.topics import POLICY, TRAIN_STEPS
 from schemas.training import PolicyPublished, TrainStepCompleted
-from worker_processes import CRL, _env, _send, _start, _stop, _wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def _published(kafka: KafkaSettings, role: str) -> tuple[list[PolicyPublished], 
 
 
 def _archived_kinds(run_dir: Path) -> dict[str, int]:
-    from pipeline.audit import Audit
+    from pipeline.audit.views import Audit
 
     with Audit(run_dir) as audit:
         _, rows = audit.query("SELECT kind, count(*) FROM events GROUP BY kind")

@@ -37,7 +37,7 @@ class ImportSite:
     file: str
     line: int
     package: str
-    """Top-level package name, e.g. `pipeline` for `from pipeline.runner import Runner`."""
+    """Top-level package name, e.g. `pipeline` for `from pipeline.runtime.runner import Runner`."""
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line} imports {self.package}"
@@ -107,7 +107,7 @@ def imports_of(package: str) -> list[ImportSite]:
 
 
 def test_checker_reports_a_forbidden_import_with_file_and_line() -> None:
-    source = "import numpy\nfrom pipeline.runner import Runner\n"
+    source = "import numpy\nfrom pipeline.runtime.runner import Runner\n"
     sites = imports_in(source, "schemas/fake.py")
     assert violations(sites, FORBIDDEN_IMPORTS["schemas"]) == ["schemas/fake.py:2 imports pipeline"]
 
@@ -175,3 +175,151 @@ def test_schemas_imports_no_io_modules() -> None:
 def test_schemas_opens_no_files() -> None:
     found = [call for file, source in sources_of("schemas").items() for call in file_calls_in(source, file)]
     assert found == []
+
+
+# --- inside pipeline/: layers, and no import circles anywhere ------------------------------------------------------
+
+PIPELINE_LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors"}),
+    frozenset({"runtime"}),
+    frozenset({"envs", "models"}),
+    frozenset({"bank"}),
+    frozenset({"actor", "extractor"}),
+    frozenset({"rl"}),
+    frozenset({"settings"}),
+    frozenset({"audit", "provenance"}),
+    frozenset({"run"}),
+    frozenset({"cli"}),
+)
+"""Lowest first. A module of `pipeline/` may import its own package and the packages of lower layers, never a higher
+layer or another package of its own layer: runtime <- domain (envs, models <- bank <- actor, extractor <- rl) <-
+settings (the sections of every package, composed) <- audit, provenance <- run <- cli (DESIGN.md section 7).
+`pipeline/X.py` at the top of the tree counts as package X."""
+
+
+def module_name(file: str) -> str:
+    """`pipeline/bank/state.py` -> `pipeline.bank.state`; `pipeline/bank/__init__.py` -> `pipeline.bank`."""
+    parts = list(Path(file).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(source: str, file: str, known: set[str]) -> set[str]:
+    """The modules of `known` that `source` imports, by their full dotted names (`from a.b import c` counts `a.b.c`
+    when that is a module, else `a.b`)."""
+    found: set[str] = set()
+    package = module_name(file).split(".")
+    if not file.endswith("__init__.py"):
+        package = package[:-1]
+    for node in ast.walk(ast.parse(source, filename=file)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                prefix = package[: len(package) - (node.level - 1)]
+                base = ".".join(prefix + ([node.module] if node.module else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def pipeline_graph() -> dict[str, set[str]]:
+    sources = {file: source for package in PACKAGES for file, source in sources_of(package).items()}
+    known = {module_name(file) for file in sources}
+    graph = {}
+    for file, source in sources.items():
+        module = module_name(file)
+        graph[module] = {name for name in module_imports(source, file, known) if name != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a `pipeline.X...` module (its package X, or the root module X.py)."""
+    parts = module.split(".")
+    if parts[0] != "pipeline" or len(parts) < 2:
+        return None
+    for rank, members in enumerate(PIPELINE_LAYERS):
+        if parts[1] in members:
+            return rank
+    raise AssertionError(f"{module}: pipeline/{parts[1]} is in no layer of PIPELINE_LAYERS")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        rank = layer_of(module)
+        if rank is None:
+            continue
+        for target in sorted(targets):
+            target_rank = layer_of(target)
+            if target_rank is None or target.split(".")[1] == module.split(".")[1]:
+                continue
+            if target_rank >= rank:
+                found.append(f"{module} imports {target} (layer {target_rank} >= {rank})")
+    return found
+
+
+def test_the_cycle_finder_finds_circles_of_any_length() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"], ["e", "e2"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_layer_check_names_an_upward_import() -> None:
+    graph = {"pipeline.runtime.runner": {"pipeline.bank.state", "pipeline.errors"}, "pipeline.bank.state": set()}
+    assert layer_violations(graph) == ["pipeline.runtime.runner imports pipeline.bank.state (layer 3 >= 1)"]
+
+
+def test_no_import_circles_anywhere() -> None:
+    assert cycles(pipeline_graph()) == []
+
+
+def test_pipeline_packages_import_only_lower_layers() -> None:
+    assert layer_violations(pipeline_graph()) == []
+
+
+def test_nothing_imports_workers() -> None:
+    graph = pipeline_graph()
+    importers = sorted(module for module, targets in graph.items()
+                       if not module.startswith("workers") and any(t.startswith("workers") for t in targets))
+    assert importers == []

@@ -1,0 +1,412 @@
+"""`crl report`: an HTML page with PNG curves for one run, or several runs overlaid (one line per run and arm).
+
+    crl report runs/demo                                   # writes runs/demo/report/report.html and its PNGs
+    crl report runs/comp runs/grpo --out runs/comparison   # several runs: --out is required
+
+Everything comes from the run's archive through `pipeline.audit.views.Audit` (the `trajectories` and `train_steps` views,
+the per-kind views, and the replayed experience views for the bank), so a report can be made for any run, finished
+or not, with no broker and no SQL bank. The arm is `RunStarted.config["scheduler"]["arm"]` ("unknown" without one).
+
+Figures (PNG, steps on the x axis, drawn with matplotlib's Agg canvas, no display needed):
+- `success.png`: success rate per step of train episodes (guided, free) and of eval episodes (guided, free);
+- `actions.png`: mean actions per solved train episode, and invalid actions / actions, per step;
+- `bank.png`: active experiences after each step, and the applied ops per step (added, refined, merged, retired).
+  Only ops the bank applied count (the experience views replay the op log with the bank's rules): a merge adds one
+  experience and retires its sources, an `ExperienceRetired` retires one. An op's step is the `step` of the
+  `ExtractionGenerated` with its generation id; an op without one (capacity evictions have no generation, older
+  generations no step) takes the step of the op before it in the log, or 0 at the start of the log;
+- `extractor.png`: reward mean and clip fraction per extractor train step, and generations per actor step by parse
+  status (ok / no_op / parse_error; generations without a step are only in the table);
+- `retrieval.png`: per step, the fraction of guided train episodes that were served an experience, and how many
+  distinct experiences the train episodes were served.
+A series without data (a grpo run has no ops and no extractor steps) leaves its axis empty with "no data".
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from pipeline.audit.views import Audit
+from schemas.topics import EXPERIENCE_OPS_TOPIC
+
+Series = dict[int, float]
+"""step -> value, only the steps that have a value."""
+
+PARSE_STATUSES = ("ok", "no_op", "parse_error")
+OP_KINDS = ("added", "refined", "merged", "retired")
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The table row of one run."""
+
+    run_dir: Path
+    run_id: str
+    arm: str
+    code_version: str
+    status: str
+    """RunFinished.status of the last RunFinished, or "unfinished"."""
+    steps: int
+    """Distinct steps that have train episodes."""
+    eval_success_guided: float | None
+    """Success rate of the guided eval episodes of the last step that has eval episodes (None: no eval)."""
+    eval_success_free: float | None
+    train_success: float | None
+    """Success rate over every train episode of the run."""
+    bank_size: int
+    """Active experiences at the end of the replayed op log."""
+    extractions: dict[str, int]
+    """ExtractionGenerated events by parse status (every status, 0 when none)."""
+    actor_train_steps: int
+    extractor_train_steps: int
+
+
+@dataclass(frozen=True)
+class RunCurves:
+    """The series the figures draw, each step -> value."""
+
+    success: dict[str, Series]
+    """Keys "train guided", "train free", "eval guided", "eval free"."""
+    actions_per_solved: Series
+    invalid_rate: Series
+    bank_size: Series
+    """Active experiences after each step, from the first step with an op to the last step of the run."""
+    ops: dict[str, Series]
+    """Applied ops per step by kind (OP_KINDS), over the same steps as `bank_size`."""
+    extractor_reward: Series
+    """By extractor train step."""
+    extractor_clip_fraction: Series
+    parse_status: dict[str, Series]
+    """Generations per actor step by parse status (PARSE_STATUSES)."""
+    served_fraction: Series
+    distinct_served: Series
+
+
+@dataclass(frozen=True)
+class RunData:
+    """One run as the report sees it (`load_run`)."""
+
+    summary: RunSummary
+    curves: RunCurves
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `write_report` wrote, and the numbers of its table."""
+
+    html: Path
+    figures: tuple[Path, ...]
+    runs: tuple[RunSummary, ...]
+    curves: tuple[RunCurves, ...] = field(repr=False, default=())
+
+
+# -- reading a run ----------------------------------------------------------------------------------------------------
+
+
+def _rows(audit: Audit, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    return audit.query(sql, parameters)[1]
+
+
+def _series(rows: list[tuple[Any, ...]]) -> Series:
+    """(step, value) rows to a series, leaving out NULL values."""
+    return {int(step): float(value) for step, value in rows if value is not None}
+
+
+def _run_identity(audit: Audit, run_dir: Path) -> tuple[str, str, str, str]:
+    """(run id, arm, code version, status)."""
+    started = _rows(audit, "SELECT run_id, config ->> '$.scheduler.arm', code_version FROM run_started "
+                           "ORDER BY occurred_at LIMIT 1")
+    if started:
+        run_id, arm, code_version = started[0]
+    else:
+        any_run = _rows(audit, "SELECT run_id FROM events GROUP BY run_id ORDER BY count(*) DESC, run_id LIMIT 1")
+        run_id, arm, code_version = (any_run[0][0] if any_run else run_dir.name), None, None
+    finished = _rows(audit, "SELECT status FROM run_finished ORDER BY occurred_at DESC LIMIT 1")
+    return run_id, arm or UNKNOWN, code_version or UNKNOWN, finished[0][0] if finished else "unfinished"
+
+
+def _op_steps(audit: Audit) -> dict[int, int]:
+    """Offset -> step of every record of the replayed op log (the log the experience views replay)."""
+    # The records, not the `events` view (which keeps one record per event_id), like the replay reads them.
+    pattern = str(audit.root / EXPERIENCE_OPS_TOPIC.name / "*.parquet").replace("'", "''")
+    records = _rows(
+        audit,
+        "SELECT op.\"offset\", generated.step FROM ("
+        "SELECT \"offset\", any_value(payload)::JSON ->> '$.generation_id' AS generation_id "
+        f"FROM read_parquet('{pattern}', union_by_name = true) WHERE log_id = ? GROUP BY \"offset\""
+        ") AS op LEFT JOIN ("
+        "SELECT generation_id, min(step) AS step FROM extraction_generated GROUP BY generation_id"
+        ") AS generated ON generated.generation_id = op.generation_id ORDER BY op.\"offset\"",
+        [audit.op_log_id],
+    )
+    steps, current = {}, 0
+    for offset, step in records:
+        current = current if step is None else int(step)
+        steps[int(offset)] = current
+    return steps
+
+
+def _bank_curves(audit: Audit, last_step: int | None) -> tuple[Series, dict[str, Series], int]:
+    """(bank size after each step, applied ops per step by kind, final bank size)."""
+    if audit.op_log_id is None:
+        return {}, {kind: {} for kind in OP_KINDS}, 0
+    step_of = _op_steps(audit)
+    ops: dict[str, dict[int, int]] = {kind: defaultdict(int) for kind in OP_KINDS}
+    delta: dict[int, int] = defaultdict(int)
+    created = _rows(audit, "SELECT op_offset, op_kind FROM experience_history WHERE version = 1")
+    for offset, op_kind in created:
+        step = step_of[offset]
+        ops["merged" if op_kind == "ExperienceMerged" else "added"][step] += 1
+        delta[step] += 1
+    for (offset,) in _rows(audit, "SELECT op_offset FROM experience_history WHERE op_kind = 'ExperienceRefined'"):
+        ops["refined"][step_of[offset]] += 1
+    retired = _rows(audit, "SELECT retired_offset, retired_reason FROM experiences WHERE retired_offset IS NOT NULL")
+    for offset, _ in retired:
+        delta[step_of[offset]] -= 1
+    # A merge's sources are retired by the merge op itself (counted as "merged"); the rest are ExperienceRetired ops.
+    for offset in {offset for offset, reason in retired if reason != "merged"}:
+        ops["retired"][step_of[offset]] += 1
+    op_steps = set(delta).union(*(series.keys() for series in ops.values()))
+    if not op_steps:
+        return {}, {kind: {} for kind in OP_KINDS}, 0
+    first, last = min(op_steps), max(max(op_steps), last_step if last_step is not None else 0)
+    size, sizes = 0, {}
+    for step in range(first, last + 1):
+        size += delta.get(step, 0)
+        sizes[step] = float(size)
+    mix = {kind: {step: float(ops[kind].get(step, 0)) for step in sizes} for kind in OP_KINDS}
+    return sizes, mix, size
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read everything the report shows about the run in `run_dir` from its archive."""
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run directory at {run_dir}")
+    with Audit(run_dir) as audit:
+        run_id, arm, code_version, status = _run_identity(audit, run_dir)
+        success: dict[str, Series] = {}
+        for split in ("train", "eval"):
+            for guided, name in ((True, "guided"), (False, "free")):
+                success[f"{split} {name}"] = _series(_rows(
+                    audit, "SELECT step, avg(success::INTEGER) FROM trajectories WHERE split = ? AND guided = ? "
+                           "GROUP BY step ORDER BY step", [split, guided]))
+        actions_per_solved = _series(_rows(
+            audit, "SELECT step, avg(num_actions) FILTER (WHERE success) FROM trajectories WHERE split = 'train' "
+                   "GROUP BY step ORDER BY step"))
+        invalid_rate = _series(_rows(
+            audit, "SELECT step, sum(invalid_actions) / nullif(sum(num_actions), 0) FROM trajectories "
+                   "WHERE split = 'train' GROUP BY step ORDER BY step"))
+        served_fraction = _series(_rows(
+            audit, "SELECT step, avg((json_array_length(served) > 0)::INTEGER) FROM trajectories "
+                   "WHERE split = 'train' AND guided GROUP BY step ORDER BY step"))
+        distinct_served = _series(_rows(
+            audit, "SELECT step, count(DISTINCT experience_id) FROM ("
+                   "SELECT step, unnest(from_json(served, '[\"VARCHAR\"]')) AS experience_id FROM trajectories "
+                   "WHERE split = 'train' AND guided) GROUP BY step ORDER BY step"))
+        for step in served_fraction:
+            distinct_served.setdefault(step, 0.0)  # guided episodes that were served nothing
+        distinct_served = dict(sorted(distinct_served.items()))
+        extractor = _rows(audit, "SELECT step, avg(reward_mean), avg(clip_fraction) FROM train_steps "
+                                 "WHERE role = 'extractor' GROUP BY step ORDER BY step")
+        parse_rows = _rows(audit, "SELECT step, parse_status, count(*) FROM extraction_generated "
+                                  "WHERE step IS NOT NULL GROUP BY ALL ORDER BY ALL")
+        parse_steps = sorted({step for step, _, _ in parse_rows})
+        parse_status = {name: dict.fromkeys(parse_steps, 0.0) for name in PARSE_STATUSES}
+        for step, generation_status, count in parse_rows:
+            parse_status[generation_status][step] = float(count)
+        last_train_step = max(success["train guided"].keys() | success["train free"].keys(), default=None)
+        bank_size, ops, final_bank = _bank_curves(audit, last_train_step)
+
+        eval_step = _rows(audit, "SELECT max(step) FROM trajectories WHERE split = 'eval'")[0][0]
+        final_eval = {name: success[f"eval {name}"].get(eval_step) for name in ("guided", "free")}
+        steps, train_success = _rows(audit, "SELECT count(DISTINCT step), avg(success::INTEGER) FROM trajectories "
+                                            "WHERE split = 'train'")[0]
+        extractions = dict.fromkeys(PARSE_STATUSES, 0)
+        extractions |= dict(_rows(audit, "SELECT parse_status, count(*) FROM extraction_generated GROUP BY ALL"))
+        trained = dict(_rows(audit, "SELECT role, count(*) FROM train_steps GROUP BY role"))
+    summary = RunSummary(
+        run_dir=run_dir, run_id=run_id, arm=arm, code_version=code_version, status=status, steps=steps,
+        eval_success_guided=final_eval["guided"], eval_success_free=final_eval["free"],
+        train_success=float(train_success) if train_success is not None else None, bank_size=final_bank,
+        extractions=extractions, actor_train_steps=trained.get("actor", 0),
+        extractor_train_steps=trained.get("extractor", 0),
+    )
+    curves = RunCurves(
+        success=success, actions_per_solved=actions_per_solved, invalid_rate=invalid_rate, bank_size=bank_size,
+        ops=ops, extractor_reward=_series([(step, reward) for step, reward, _ in extractor]),
+        extractor_clip_fraction=_series([(step, clip) for step, _, clip in extractor]),
+        parse_status=parse_status, served_fraction=served_fraction, distinct_served=distinct_served,
+    )
+    return RunData(summary, curves)
+
+
+# -- figures ----------------------------------------------------------------------------------------------------------
+
+_LINE_STYLES = ("-", "--", ":", "-.")
+Lines = Callable[[RunData], list[tuple[str, Series]]]
+"""A run's lines in one panel: (name, series), the name appended to the run's label ("" for none)."""
+
+
+def _draw(axes: Axes, title: str, ylabel: str, runs: Sequence[RunData], lines_of: Lines, *,
+          xlabel: str = "step", unit_range: bool = False) -> None:
+    """One panel: for every run (one colour each), the lines `lines_of(run)` gives (one line style each)."""
+    drawn: set[int] = set()
+    for index, run in enumerate(runs):
+        for style, (name, series) in zip(itertools.cycle(_LINE_STYLES), lines_of(run)):
+            if not series:
+                continue
+            steps = sorted(series)
+            drawn.update(steps)
+            label = f"{run.summary.run_id} ({run.summary.arm})" + (f" {name}" if name else "")
+            axes.plot(steps, [series[step] for step in steps], linestyle=style, marker="o", markersize=3,
+                      color=f"C{index % 10}", label=label)
+    axes.set_title(title, fontsize=10)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if unit_range:
+        axes.set_ylim(-0.05, 1.05)
+    if len(drawn) == 1:  # one step: an integer axis around it, not matplotlib's ±5% of nothing
+        axes.set_xlim(min(drawn) - 1, min(drawn) + 1)
+    if drawn:
+        axes.legend(fontsize=7, handlelength=4)  # long enough to tell the line styles apart
+    else:
+        axes.text(0.5, 0.5, "no data", transform=axes.transAxes, ha="center", va="center", color="grey")
+
+
+def _figure(panels: int) -> tuple[Figure, list[Axes]]:
+    figure = Figure(figsize=(5.5 * panels, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure, list(figure.subplots(1, panels))
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def draw_figures(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
+    """Write the five PNGs into `out_dir`; returns name -> path, in page order."""
+    paths: dict[str, Path] = {}
+
+    figure, (train, evaluation) = _figure(2)
+    for axes, split in ((train, "train"), (evaluation, "eval")):
+        _draw(axes, f"{split} success", "success rate", runs,
+              lambda run, split=split: [(name, run.curves.success[f"{split} {name}"]) for name in ("guided", "free")],
+              unit_range=True)
+    paths["success"] = _save(figure, out_dir / "success.png")
+
+    figure, (actions, invalid) = _figure(2)
+    _draw(actions, "actions per solved task (train)", "actions", runs,
+          lambda run: [("", run.curves.actions_per_solved)])
+    _draw(invalid, "invalid-action rate (train)", "invalid / actions", runs,
+          lambda run: [("", run.curves.invalid_rate)], unit_range=True)
+    paths["actions"] = _save(figure, out_dir / "actions.png")
+
+    figure, (size, mix) = _figure(2)
+    _draw(size, "bank size (active experiences)", "experiences", runs, lambda run: [("", run.curves.bank_size)])
+    _draw(mix, "experience ops applied per step", "ops", runs,
+          lambda run: [(kind, run.curves.ops[kind]) for kind in OP_KINDS])
+    paths["bank"] = _save(figure, out_dir / "bank.png")
+
+    figure, (reward, clip, parse) = _figure(3)
+    _draw(reward, "extractor reward mean", "reward", runs, lambda run: [("", run.curves.extractor_reward)],
+          xlabel="extractor step")
+    _draw(clip, "extractor clip fraction", "clip fraction", runs,
+          lambda run: [("", run.curves.extractor_clip_fraction)], xlabel="extractor step")
+    _draw(parse, "extractions by parse status", "generations", runs,
+          lambda run: [(status, run.curves.parse_status[status]) for status in PARSE_STATUSES])
+    paths["extractor"] = _save(figure, out_dir / "extractor.png")
+
+    figure, (fraction, distinct) = _figure(2)
+    _draw(fraction, "guided train episodes served an experience", "fraction", runs,
+          lambda run: [("", run.curves.served_fraction)], unit_range=True)
+    _draw(distinct, "distinct experiences served (train)", "experiences", runs,
+          lambda run: [("", run.curves.distinct_served)])
+    paths["retrieval"] = _save(figure, out_dir / "retrieval.png")
+    return paths
+
+
+# -- the page ---------------------------------------------------------------------------------------------------------
+
+_FIGURE_TITLES = {
+    "success": "Success: train and eval, guided and free",
+    "actions": "Actions per solved task and invalid actions",
+    "bank": "Experience bank: size and op mix",
+    "extractor": "Extractor: reward, clip fraction, parse status",
+    "retrieval": "Retrieval usage",
+}
+_COLUMNS = ("run id", "arm", "code version", "status", "steps", "eval success guided", "eval success free",
+            "train success", "bank size", "extractions ok / no_op / parse_error", "actor train steps",
+            "extractor train steps", "run dir")
+_STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+          "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}")
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def summary_row(summary: RunSummary) -> list[str]:
+    """The table cells of one run."""
+    return [summary.run_id, summary.arm, summary.code_version, summary.status, str(summary.steps),
+            _rate(summary.eval_success_guided), _rate(summary.eval_success_free), _rate(summary.train_success),
+            str(summary.bank_size), " / ".join(str(summary.extractions[status]) for status in PARSE_STATUSES),
+            str(summary.actor_train_steps), str(summary.extractor_train_steps), str(summary.run_dir)]
+
+
+def summary_line(summary: RunSummary) -> str:
+    """One line of text per run (the CLI prints it)."""
+    return (f"{summary.run_id} ({summary.arm}): {summary.status}, {summary.steps} steps, eval success guided "
+            f"{_rate(summary.eval_success_guided)} free {_rate(summary.eval_success_free)}, train success "
+            f"{_rate(summary.train_success)}, bank {summary.bank_size}, extractions ok/no_op/parse_error "
+            f"{' / '.join(str(summary.extractions[status]) for status in PARSE_STATUSES)}, train steps actor "
+            f"{summary.actor_train_steps} extractor {summary.extractor_train_steps}")
+
+
+def render_html(runs: Sequence[RunSummary], figures: dict[str, Path]) -> str:
+    """The page: title, one table row per run, then the figures (referenced by file name, next to the page)."""
+    title = "crl report: " + ", ".join(f"{run.run_id} ({run.arm})" for run in runs)
+    header = "".join(f"<th>{html.escape(column)}</th>" for column in _COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in summary_row(run)) + "</tr>"
+                   for run in runs)
+    images = "".join(
+        f"<h2>{html.escape(_FIGURE_TITLES[name])}</h2>\n"
+        f"<img src=\"{html.escape(path.name)}\" alt=\"{html.escape(_FIGURE_TITLES[name])}\">\n"
+        for name, path in figures.items()
+    )
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n"
+            f"<table>\n<tr>{header}</tr>\n{body}\n</table>\n{images}</body></html>\n")
+
+
+def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Report:
+    """Read every run in `run_dirs` and write `report.html` and the PNGs into `out_dir`.
+
+    `out_dir` defaults to `RUN_DIR/report` for one run and is required for several.
+    """
+    if not run_dirs:
+        raise ValueError("no run directories given")
+    if out_dir is None:
+        if len(run_dirs) > 1:
+            raise ValueError("several runs need an output directory (--out)")
+        out_dir = run_dirs[0] / "report"
+    runs = [load_run(run_dir) for run_dir in run_dirs]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = draw_figures(runs, out_dir)
+    page = out_dir / "report.html"
+    page.write_text(render_html([run.summary for run in runs], figures), encoding="utf-8")
+    return Report(html=page, figures=tuple(figures.values()), runs=tuple(run.summary for run in runs),
+                  curves=tuple(run.curves for run in runs))

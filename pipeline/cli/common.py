@@ -1,0 +1,115 @@
+"""What every command shares: the consoles, the settings read once by the app callback, the `--run-dir` and
+`--broker` options, and `fail`, the one way a command turns an error into an exit code."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pipeline.errors import ConfigError
+from pipeline.runtime.context import resolve_kafka
+from pipeline.settings import Settings
+
+console = Console()
+
+errors = Console(stderr=True)
+
+RunDirOption = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: CRL_RUN_DIR or runs/default).")
+]
+
+
+class State:
+    settings: Settings | None = None
+    log_level: str = "warning"
+
+
+def configure_logging(level: str, log_file: Path | None = None) -> None:
+    """Log to stderr at `level`; with `log_file`, also everything from INFO up into that file (the worker's log)."""
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    console_handler = logging.StreamHandler(sys.stderr)
+    console_handler.setLevel(level.upper())
+    # kafka-python logs every failed connection attempt while it retries; the console shows our own summary of a
+    # failure instead (the worker's log file keeps kafka-python's lines).
+    console_handler.addFilter(lambda record: not record.name.startswith("kafka") or record.levelno >= logging.CRITICAL)
+    handlers: list[logging.Handler] = [console_handler]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setLevel(logging.INFO)
+        handlers.append(file_handler)
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    root_level = min(console_handler.level, logging.INFO if log_file else console_handler.level)
+    logging.basicConfig(level=root_level, handlers=handlers, force=True)
+    # kafka-python is chatty at INFO (every connection); its warnings and errors still show.
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, root_level))
+
+
+def current_settings(run_dir: Path | None = None) -> Settings:
+    settings = State.settings
+    assert settings is not None, "the app callback loads settings first"
+    if run_dir is not None:
+        settings = settings.model_copy(update={"run_dir": run_dir})
+    return settings
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    errors.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def kafka_of(settings: Settings) -> Any:
+    try:
+        return resolve_kafka(settings)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from exc
+
+
+def admin_of(run_dir: Path | None, make_admin: Any) -> Any:
+    from kafka.errors import KafkaError
+
+    kafka = kafka_of(current_settings(run_dir))
+    try:
+        return make_admin(kafka)
+    except KafkaError as exc:
+        raise fail(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
+
+
+class BrokerChoice(str, Enum):
+    tansu = "tansu"
+    kafka = "kafka"
+
+BrokerOption = Annotated[BrokerChoice | None, typer.Option(
+    "--broker", help="Embedded broker: tansu (memory-only, starts in ms) or kafka (Apache Kafka 4.1.1, Java 17, "
+    "durable). Default: CRL_BROKER__KIND, else tansu.")]
+
+
+def with_broker(settings: Settings, broker: BrokerChoice | None) -> Settings:
+    if broker is None:
+        return settings
+    return settings.model_copy(update={"broker": settings.broker.model_copy(update={"kind": broker.value})})
+
+
+def bank_store(run_dir: Path) -> Any:
+    from infra.db import database_url, make_engine, migrate
+    from pipeline.bank.store import BankStore
+
+    if not run_dir.is_dir():
+        raise fail(f"no run directory at {run_dir}", 2)
+    engine = make_engine(database_url(current_settings(run_dir).db, run_dir))
+    migrate(engine)
+    return BankStore(engine)

@@ -1,0 +1,32 @@
+"""`crl report`: report.html and curves from one or more runs' archives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.common import (
+    console,
+    fail,
+)
+
+
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories; several overlay as lines per run and arm.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Output directory (default: RUN_DIR/report for one run; required for several).")] = None,
+) -> None:
+    """Write report.html and PNG curves (success, actions, bank, extractor, retrieval) from the runs' archives."""
+    from pipeline.audit.report import summary_line, write_report
+
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise fail(f"no run directory at {run_dir}", 2)
+    if out is None and len(run_dirs) > 1:
+        raise fail(f"{len(run_dirs)} runs need an output directory: pass --out DIR", 2)
+    with console.status(f"reading {len(run_dirs)} run(s) and drawing"):
+        written = write_report(run_dirs, out)
+    for line in [*map(summary_line, written.runs), *(f"wrote {path}" for path in (written.html, *written.figures))]:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,96 @@
+"""`crl run CONFIG`: the whole loop (`pipeline.run.supervisor`)."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from pipeline.cli.common import (
+    BrokerOption,
+    RunDirOption,
+    State,
+    configure_logging,
+    console,
+    fail,
+)
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+
+
+class ArmChoice(str, Enum):
+    complementary = "complementary"
+    grpo = "grpo"
+    static_extractor = "static_extractor"
+    exp_only = "exp_only"
+
+
+def run(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML), e.g. configs/tiny-minihack-room.yaml.")],
+    run_dir: RunDirOption = None,
+    steps: Annotated[int | None, typer.Option(help="Override scheduler.steps (e.g. 3 for a smoke run).")] = None,
+    arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
+    report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,
+    broker_kind: BrokerOption = None,
+) -> None:
+    """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
+    from kafka.errors import KafkaError
+
+    from infra.broker import BrokerError
+    from pipeline.run.plan import check_run_dir, default_run_dir
+    from pipeline.run.supervisor import RunFailed, RunSupervisor
+
+    overrides = {}
+    if steps is not None:
+        overrides["CRL_SCHEDULER__STEPS"] = str(steps)
+    if arm is not None:
+        overrides["CRL_SCHEDULER__ARM"] = arm.value
+    if broker_kind is not None:
+        overrides["CRL_BROKER__KIND"] = broker_kind.value
+    chosen_dir = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
+                             else default_run_dir(config))
+    os.environ.update(overrides)  # this is the settings edge: the workers get the same overrides
+    os.environ["CRL_RUN_DIR"] = str(chosen_dir)
+    try:
+        settings = Settings(config=config)
+        check_run_dir(settings.run_dir)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from exc
+    except ValidationError as exc:
+        raise fail(f"invalid settings: {exc}", 2) from exc
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(State.log_level, settings.run_dir / "logs" / "crl-run.log")
+    console.print(f"run {settings.resolved_run_id}: arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
+                  f"{', '.join(t.env_id for t in settings.scheduler.tasks)}; run dir {settings.run_dir}")
+    supervisor = RunSupervisor(settings, config, overrides, console)
+    try:
+        progress = supervisor.run()
+    except (RunFailed, BrokerError, KafkaError) as exc:
+        raise fail(f"run failed: {exc}") from exc
+    finished = progress.finished
+    status = finished.status if finished is not None else "interrupted"
+    console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,
+                  soft_wrap=True)
+    if report:
+        from pipeline.audit.report import summary_line, write_report
+
+        written = write_report([settings.run_dir])
+        for line in written.runs:
+            console.print(summary_line(line), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"report: {written.html}")
+    some = next((e.experience_id for e in progress.bank.experiences.values() if len(e.history) > 1), None) or \
+        next(iter(progress.bank.experiences), "EXPERIENCE_ID")
+    console.print("next:", highlight=False)
+    bank_lines = [f"crl replay bank {settings.run_dir}", f"crl bank show {settings.run_dir}",
+                  f"crl audit experience {settings.run_dir} {some}"] if settings.scheduler.arm != "grpo" else []
+    for line in (*bank_lines, f"crl replay train {settings.run_dir}",
+                 f"crl audit sql {settings.run_dir} \"SELECT step, guided, avg(success::INT) FROM trajectories "
+                 "WHERE split = 'train' GROUP BY ALL ORDER BY ALL\"",
+                 f"crl report {settings.run_dir} runs/OTHER --out runs/compare"):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    if status != "completed":
+        raise typer.Exit(130 if status == "interrupted" or supervisor.interrupts else 1)

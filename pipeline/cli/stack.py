@@ -1,0 +1,70 @@
+"""`crl stack up`: an embedded broker with every topic, until Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.common import (
+    BrokerOption,
+    RunDirOption,
+    console,
+    current_settings,
+    errors,
+    fail,
+    with_broker,
+)
+
+stack_app = typer.Typer(help="The embedded broker stack (no Docker needed).", no_args_is_help=True)
+
+
+@stack_app.command("up")
+def stack_up(
+    run_dir: RunDirOption = None,
+    port: Annotated[int | None, typer.Option(help="Loopback port for the broker (default: a free one).")] = None,
+    broker_kind: BrokerOption = None,
+) -> None:
+    """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
+    from infra.admin import create_topics
+    from infra.broker import BrokerError, embedded_broker, remove_broker_file, write_broker_file
+    from infra.kafka import make_admin
+
+    settings = with_broker(current_settings(run_dir), broker_kind)
+    try:
+        broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
+                                 log_path=settings.run_dir / "logs" / "broker.log", port=port)
+        with errors.status(f"starting {broker.description}"):
+            broker.start()
+    except BrokerError as exc:
+        raise fail(str(exc)) from exc
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        admin = make_admin(settings.with_bootstrap(broker.bootstrap_servers).kafka)
+        try:
+            create_topics(admin)
+        finally:
+            admin.close()
+        write_broker_file(settings.run_dir, broker.bootstrap_servers, broker.pid, broker.kind)
+        memory = broker.resident_memory_bytes()
+        console.print(f"broker  {broker.bootstrap_servers}  ({broker.description} pid {broker.pid}, started in "
+                      f"{broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB resident, log {broker.log_path})")
+        console.print(f"topics  created; run dir {settings.run_dir}")
+        console.print(f"use it: export CRL_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}"
+                      f"   or pass --run-dir {settings.run_dir}")
+        if broker.durable:
+            console.print(f"Ctrl-C stops the broker; its log stays in {settings.run_dir / 'kafka'} and the same "
+                          "command continues it.")
+        else:
+            console.print("Ctrl-C stops the broker (its records live in memory only; the archive keeps them).")
+        while not stop.wait(0.5):
+            if not broker.is_running():
+                raise fail("the broker exited unexpectedly; see its log")
+    finally:
+        broker.stop()
+        remove_broker_file(settings.run_dir)
+    console.print("broker stopped")

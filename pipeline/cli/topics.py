@@ -1,0 +1,81 @@
+"""`crl topics create | list | describe`: the registry's Kafka topics."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import (
+    RunDirOption,
+    admin_of,
+    console,
+    current_settings,
+    fail,
+    kafka_of,
+)
+
+topics_app = typer.Typer(help="Create and inspect the registry's Kafka topics.", no_args_is_help=True)
+
+
+@topics_app.command("create")
+def topics_create(run_dir: RunDirOption = None) -> None:
+    """Create every registry topic with its partition count (idempotent)."""
+    from infra.admin import TopicMismatchError, create_topics
+    from infra.kafka import make_admin
+
+    admin = admin_of(run_dir, make_admin)
+    try:
+        result = create_topics(admin)
+    except TopicMismatchError as exc:
+        raise fail(str(exc)) from exc
+    finally:
+        admin.close()
+    for name, outcome in result.items():
+        console.print(f"{outcome:8} {name}")
+
+
+@topics_app.command("list")
+def topics_list(run_dir: RunDirOption = None) -> None:
+    """List the topics on the broker, marking the registry's."""
+    from infra.admin import existing_partition_counts
+    from infra.kafka import make_admin
+    from schemas.topics import TOPICS_BY_NAME
+
+    admin = admin_of(run_dir, make_admin)
+    try:
+        counts = existing_partition_counts(admin)
+    finally:
+        admin.close()
+    for name in sorted(counts):
+        marker = "registry" if name in TOPICS_BY_NAME else "other"
+        console.print(f"{name:24} {counts[name]:3} partitions  {marker}")
+
+
+@topics_app.command("describe")
+def topics_describe(run_dir: RunDirOption = None) -> None:
+    """Every registry topic: partitions (expected and actual), records, retention, event kinds."""
+    from infra.admin import describe_topics
+    from infra.kafka import make_admin, make_consumer
+
+    settings = current_settings(run_dir)
+    admin = admin_of(run_dir, make_admin)
+    consumer = make_consumer(kafka_of(settings), client_id="crl-describe")
+    try:
+        statuses = describe_topics(admin, consumer)
+    finally:
+        admin.close()
+        consumer.close(autocommit=False)
+    table = Table("topic", "partitions", "records", "retention", "events", "ok")
+    for status in statuses:
+        retention = "forever" if status.topic.retention_ms < 0 else f"{status.topic.retention_ms // 3_600_000} h"
+        table.add_row(
+            status.topic.name,
+            f"{status.partitions}/{status.topic.partitions}",
+            "-" if status.messages is None else str(status.messages),
+            retention,
+            ", ".join(status.topic.kinds),
+            "[green]yes[/green]" if status.matches else "[red]no[/red]",
+        )
+    console.print(table)
+    if not all(status.matches for status in statuses):
+        raise typer.Exit(1)

@@ -1,0 +1,45 @@
+"""Which policy model a role starts from: a local Hugging Face directory, or the tiny CPU preset."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TinyModelSettings(BaseModel):
+    """The tiny CPU preset: a causal LM built from a transformers config, with a tokenizer trained locally on text the
+    environments produce. Same settings -> byte-identical weights and vocabulary."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Literal["qwen2", "llama"] = Field(default="qwen2", description="transformers architecture.")
+    hidden_size: int = Field(default=128, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(default=2, gt=0, description="Decoder layers.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads.")
+    num_kv_heads: int = Field(default=2, gt=0, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(default=512, gt=0, description="MLP width.")
+    vocab_size: int = Field(default=2048, ge=256, description="BPE vocabulary size (keep <= 4-8k at this size).")
+    max_position_embeddings: int = Field(default=4096, gt=0, description="Longest prompt + response.")
+    seed: int = Field(default=0, ge=0, description="Seeds the weights' initialisation and the tokenizer corpus.")
+    corpus_episodes: int = Field(default=48, gt=0, description="MiniHack episodes played for the tokenizer corpus.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelSettings:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}, "
+                             f"and num_heads a multiple of num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class ModelSettings(BaseModel):
+    """Which policy model a role starts from and where it runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="Generation backend; training always runs on transformers.")
+    path: str | None = Field(
+        default=None, description="Local directory of a Hugging Face model to start from; None builds the tiny preset.")
+    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (path None).")
+    device: str = Field(default="cpu", description="torch device for the transformers backend.")

@@ -1,0 +1,87 @@
+"""The trainers' settings: optimiser, loss, batching and warm start of the actor (GRPO) and the extractor (CISPO)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.models.settings import ModelSettings
+
+
+class TrainerSettings(BaseModel):
+    """One trainer's optimiser, loss and batching. The actor runs GRPO, the extractor CISPO (PAPER.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSettings = Field(default_factory=ModelSettings, description="The policy this trainer updates.")
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate, constant (paper scale: 1e-6).")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
+    eps_low: float = Field(default=0.2, ge=0, lt=1, description="Lower clip of the ratio: 1 - eps_low.")
+    eps_high: float = Field(default=0.2, ge=0, description="Upper clip of the ratio: 1 + eps_high.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        default="token-mean", description="How token losses reduce to the batch loss (changes results; logged).")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature the rollouts used; log-probs are recomputed at it.")
+    micro_batch_size: int = Field(default=8, gt=0, description="Samples per forward/backward pass.")
+    threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
+
+
+DEFAULT_WARM_START_CACHE = Path.home() / ".cache" / "complementary-rl" / "warm-start"
+
+
+class WarmStartSettings(BaseModel):
+    """A short supervised warm start of a freshly built policy, before version 0 is published (CPU preset only:
+    paper-scale configs start from pretrained models and leave `steps` at 0). The actor is behaviour-cloned from
+    scripted solvers; the extractor is fine-tuned on ops a rule-based summariser writes (`pipeline.rl.warm_start`).
+    The result is version 0: `crl replay train` starts from it, and `RunStarted` records these settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(default=0, ge=0, description="Optimiser steps of the warm start; 0 turns it off.")
+    episodes: int = Field(default=64, gt=0, description="Scripted / rule-based episodes played for its data.")
+    batch_size: int = Field(default=16, gt=0, description="Samples per optimiser step.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate of the warm start.")
+    expert_fraction: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Share of the data episodes played by the scripted solver (the rest act at random), so "
+        "successes and failures both occur.")
+    seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
+    cache_dir: Path | None = Field(
+        default=DEFAULT_WARM_START_CACHE,
+        description="Warm-started weights are cached here, keyed by a hash of everything that determines them "
+        "(None: no cache). A cache hit gives byte-identical weights.")
+
+
+class ActorTrainerSettings(TrainerSettings):
+    """The actor trainer (GRPO with subgroup advantages). Environment: `CRL_ACTOR_TRAINER__<FIELD>`."""
+
+    advantage_norm: Literal["mean_std", "mean"] = Field(
+        default="mean_std", description="Subgroup normalisation: (r - mean) / (std + eps), or r - mean.")
+    advantage_eps: float = Field(default=1e-6, gt=0, description="eps in the advantage's denominator.")
+    group_size: int = Field(default=8, ge=2, description="K: episodes per GRPO group (K/2 guided after warm-up).")
+    groups_per_step: int = Field(default=4, gt=0, description="B: task groups per training step.")
+    warmup_steps: int = Field(default=5, ge=0, description="Steps 0..warmup-1 only fill the bank: no update.")
+    group_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="After this long waiting for a step, train its complete groups and drop the incomplete ones.")
+    warm_start: WarmStartSettings = Field(
+        default_factory=WarmStartSettings,
+        description="Behaviour cloning from scripted solvers before version 0 (tiny CPU preset; 0 steps = off).")
+
+
+class ExtractorTrainerSettings(TrainerSettings):
+    """The extractor trainer (CISPO with Eq. 7 weights). Environment: `CRL_EXTRACTOR_TRAINER__<FIELD>`."""
+
+    eps_low: float = Field(default=0.1, ge=0, lt=1, description="CISPO's lower clip of the importance weight.")
+    eps_high: float = Field(default=0.1, ge=0, description="CISPO's upper clip of the importance weight.")
+    buffer_size: int = Field(default=64, gt=0, description="Rewarded generations per CISPO step (paper 64).")
+    count_alpha: float = Field(default=0.5, ge=0, description="Eq. 7: weight (1 + train_count)^(-alpha).")
+    count_delta: int = Field(default=1, ge=0, description="Eq. 7: weight 0 if trained less than delta steps ago.")
+    warm_start: WarmStartSettings = Field(
+        default_factory=WarmStartSettings,
+        description="Fine-tuning on a rule-based summariser's ops before version 0 (tiny CPU preset; 0 steps = off).")

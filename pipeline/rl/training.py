@@ -1,0 +1,273 @@
+"""What both trainers share: the policy with its optimiser, versioned checkpoints, and publishing every version
+exactly once.
+
+    checkpoints/<role>/v000000/   the initial policy (tiny preset or a local model), published as version 0
+    checkpoints/<role>/v000001/   after the first update ...
+
+A checkpoint is safetensors + config + tokenizer + optimiser state + a manifest with every file's sha256
+(`pipeline.models.checkpoints`). Its manifest also carries the `TrainStepCompleted` of the step that produced it and
+the trainer settings, so:
+
+- the events of a version are a pure function of its checkpoint: their ids are derived from (run, role, version)
+  and their timestamps are stored, so a trainer that died between writing a checkpoint and publishing it publishes
+  the very same events on restart, and only those it finds missing on the log (no duplicate, no gap);
+- `crl replay train` finds the settings the steps ran with in the initial checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from kafka import TopicPartition
+
+from infra.admin import high_watermarks
+from infra.kafka import KafkaSettings, make_consumer
+from pipeline.errors import ConfigError
+from pipeline.models.checkpoints import (
+    CheckpointInfo,
+    load_checkpoint,
+    load_optimizer_tensors,
+    manifest_sha256,
+    save_checkpoint,
+    weight_hash,
+)
+from pipeline.models.settings import ModelSettings
+from pipeline.models.tiny import build_tiny
+from pipeline.models.transformers_backend import TransformersPolicy
+from pipeline.rl.advantages import subgroup_advantages
+from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
+from pipeline.rl.update import Sample, StepResult, deterministic_torch, make_optimizer, policy_step
+from schemas.base import Event, Producer, Role
+from schemas.codec import decode
+from schemas.topics import POLICY, TRAIN_STEPS, Topic
+from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+_EVENT_NAMESPACE = uuid.UUID("5d3c8a4e-8f57-4f7e-9a43-6a1f0f2b7c11")
+_VERSION_DIR = re.compile(r"^v(\d{6})$")
+
+
+def checkpoints_root(run_dir: Path, role: Role) -> Path:
+    return run_dir / "checkpoints" / role
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:06d}"
+
+
+def event_id_for(run_id: str, role: Role, version: int, what: str) -> uuid.UUID:
+    """Deterministic event id of a version's `PolicyPublished` / `TrainStepCompleted`."""
+    return uuid.uuid5(_EVENT_NAMESPACE, f"{run_id}/{role}/{version}/{what}")
+
+
+def initial_policy(model: ModelSettings) -> TransformersPolicy:
+    """Version 0: the local model at `model.path`, or the tiny preset built from its seed."""
+    if model.backend != "transformers":
+        raise ConfigError(f"trainers run on the transformers backend; got backend={model.backend!r}")
+    if model.path is not None:
+        if not Path(model.path).is_dir():
+            raise ConfigError(f"model path {model.path} is not a local directory (nothing is downloaded at run time)")
+        return TransformersPolicy.from_pretrained(model.path, device=model.device)
+    return build_tiny(model.tiny, device=model.device)
+
+
+WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict]]
+"""Fine-tunes a freshly built policy before it becomes version 0; returns it and what it did (`pipeline.rl.warm_start`)."""
+
+
+@dataclass
+class PolicyVersion:
+    """A checkpoint on disk and the events that announce it."""
+
+    version: int
+    step: int
+    info: CheckpointInfo
+    train_step: TrainStepCompleted | None
+    published: PolicyPublished
+
+
+class PolicyTrainer:
+    """The policy a trainer updates, its optimiser, and its checkpoint directory.
+
+    `open()` resumes from the newest complete checkpoint (verified) or creates version 0; `step()` runs one update;
+    `save()` writes the next version's checkpoint and returns the events to publish.
+    """
+
+    def __init__(self, role: Role, settings: TrainerSettings, root: Path, run_id: str, producer: Producer,
+                 warm_start: WarmStart | None = None) -> None:
+        self.role = role
+        self.settings = settings
+        self.root = root
+        self.run_id = run_id
+        self.producer = producer
+        self.warm_start = warm_start
+        deterministic_torch(settings.threads)
+        self.policy, self.optimizer, self.current = self._open()
+
+    # -- versions on disk -----------------------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)))
+
+    def _optimizer(self, policy: TransformersPolicy) -> torch.optim.Optimizer:
+        s = self.settings
+        return make_optimizer(policy.model, s.lr, s.weight_decay, tuple(s.adam_betas), s.adam_eps)  # type: ignore[arg-type]
+
+    def _open(self) -> tuple[TransformersPolicy, torch.optim.Optimizer, PolicyVersion]:
+        versions = self.versions()
+        if versions:
+            path = version_dir(self.root, versions[-1])
+            loaded = load_checkpoint(path)
+            optimizer = self._optimizer(loaded.policy)
+            if loaded.optimizer_tensors is not None:
+                load_optimizer_tensors(optimizer, loaded.optimizer_tensors, loaded.optimizer_param_groups or [])
+            recorded = loaded.manifest["metadata"].get("trainer")
+            if recorded is not None and recorded != self.settings.model_dump(mode="json"):
+                log.warning("%s trainer settings differ from those in %s; the checkpoint's weights are used, the new"
+                            " settings apply from the next step", self.role, path)
+            version = self._version_from(path, loaded.manifest)
+            log.info("%s trainer resumes at version %d (step %d) from %s", self.role, version.version, version.step,
+                     path)
+            return loaded.policy, optimizer, version
+        policy = initial_policy(self.settings.model)
+        warm_start = None
+        if self.warm_start is not None:
+            policy, warm_start = self.warm_start(policy)
+        optimizer = self._optimizer(policy)
+        version = self._write(policy, optimizer, version=0, step=0, train_step=None, warm_start=warm_start)
+        log.info("%s trainer created version 0 at %s", self.role, version.info.path)
+        return policy, optimizer, version
+
+    def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer, *, version: int, step: int,
+               train_step: TrainStepCompleted | None, warm_start: dict | None = None) -> PolicyVersion:
+        metadata = {
+            **({"warm_start": warm_start} if warm_start is not None else {}),
+            "role": self.role, "version": version, "step": step, "run_id": self.run_id,
+            "trainer": self.settings.model_dump(mode="json"),
+            "train_step": json.loads(train_step.model_dump_json()) if train_step is not None else None,
+            "published_at": (train_step.occurred_at if train_step is not None else datetime.now(UTC)).isoformat(),
+        }
+        path = version_dir(self.root, version)
+        if path.exists() and not (path / "manifest.json").exists():
+            shutil.rmtree(path)  # never completed: save_checkpoint renames a finished directory into place
+        self.root.mkdir(parents=True, exist_ok=True)
+        info = save_checkpoint(path, policy, optimizer=optimizer, metadata=metadata)
+        return self._version_from(path, json.loads((path / "manifest.json").read_text()), info)
+
+    def _version_from(self, path: Path, manifest: dict, info: CheckpointInfo | None = None) -> PolicyVersion:
+        metadata = manifest["metadata"]
+        info = info or CheckpointInfo(path=path, manifest_sha256=manifest_sha256(path),
+                                      weight_hash=manifest["weight_hash"])
+        version = int(metadata["version"])
+        train_step = (TrainStepCompleted.model_validate(metadata["train_step"])
+                      if metadata.get("train_step") is not None else None)
+        published = PolicyPublished(
+            event_id=event_id_for(self.run_id, self.role, version, "policy"),
+            occurred_at=datetime.fromisoformat(metadata["published_at"]),
+            run_id=self.run_id, producer=self.producer, role=self.role, version=version, step=int(metadata["step"]),
+            checkpoint_uri=path.resolve().as_uri(), sha256=info.manifest_sha256,
+        )
+        return PolicyVersion(version, int(metadata["step"]), info, train_step, published)
+
+    # -- training -------------------------------------------------------------------------------------------------
+
+    @property
+    def weight_hash(self) -> str:
+        return weight_hash(self.policy.model)
+
+    def step(self, samples: Sequence[Sample], variant: str) -> StepResult:
+        s = self.settings
+        return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
+                           aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
+                           temperature=s.temperature, micro_batch_size=s.micro_batch_size,
+                           max_grad_norm=s.max_grad_norm)
+
+    def save(self, train_step: TrainStepCompleted) -> PolicyVersion:
+        """Write the checkpoint of `train_step.policy_version`; publish what it returns with `events_of`."""
+        self.current = self._write(self.policy, self.optimizer, version=train_step.policy_version,
+                                   step=train_step.step, train_step=train_step)
+        return self.current
+
+    def train_step_event(self, **fields: object) -> TrainStepCompleted:
+        version = self.current.version + 1
+        return TrainStepCompleted(
+            event_id=event_id_for(self.run_id, self.role, version, "train-step"),
+            run_id=self.run_id, producer=self.producer, role=self.role, policy_version=version,
+            loss_variant="grpo" if self.role == "actor" else "cispo", aggregation=self.settings.aggregation,
+            **fields,  # type: ignore[arg-type]
+        )
+
+
+def events_of(version: PolicyVersion) -> list[Event]:
+    """What announces a version, in publishing order: the policy, then the step that made it."""
+    return [version.published] + ([version.train_step] if version.train_step is not None else [])
+
+
+def unpublished(version: PolicyVersion, kafka: KafkaSettings) -> list[Event]:
+    """The events of `version` not yet on the log (after a crash between checkpoint and publish)."""
+    on_log = {event.event_id for topic in (POLICY, TRAIN_STEPS) for event in read_to_end(kafka, topic)}
+    return [event for event in events_of(version) if event.event_id not in on_log]
+
+
+def read_to_end(kafka: KafkaSettings, topic: Topic, idle_timeout_s: float = 10.0) -> list[Event]:
+    """Every event of `topic` up to the high watermarks seen when reading starts (undecodable records skipped: they
+    were dead-lettered by whoever consumed them)."""
+    consumer = make_consumer(kafka, client_id=f"crl-read-{topic.name}")
+    try:
+        ends = high_watermarks(consumer, topic.name, topic.partitions)
+        partitions = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        positions = {p: 0 for p in range(topic.partitions)}
+        events: list[Event] = []
+        last_progress = time.monotonic()
+        while any(positions[p] < ends[p] for p in positions):
+            batches = consumer.poll(timeout_ms=200)
+            for tp, records in batches.items():
+                for record in records:
+                    positions[tp.partition] = record.offset + 1
+                    last_progress = time.monotonic()
+                    try:
+                        events.append(decode(topic, record.value))
+                    except Exception as exc:  # noqa: BLE001 - someone else's poison record
+                        log.debug("skipping undecodable %s[%d]@%d: %s", tp.topic, tp.partition, record.offset, exc)
+            if time.monotonic() - last_progress > idle_timeout_s:
+                raise TimeoutError(f"reading {topic.name}: no records for {idle_timeout_s}s before {ends}")
+        return events
+    finally:
+        consumer.close(autocommit=False)
+
+
+def actor_samples(trajectories: Iterable[TrajectoryCompleted], advantages: Sequence[float]) -> list[Sample]:
+    """One sample per turn, each turn carrying its trajectory's advantage (tokens of the prompt, observations and
+    injected experience are the prompt: they carry no loss)."""
+    return [
+        Sample(tuple(turn.prompt_token_ids), tuple(turn.response_token_ids), tuple(turn.sampling_logprobs), advantage)
+        for trajectory, advantage in zip(trajectories, advantages, strict=True)
+        for turn in trajectory.turns
+    ]
+
+
+def actor_advantages(trajectories: list[TrajectoryCompleted], settings: ActorTrainerSettings) -> torch.Tensor:
+    """Subgroup advantages of a canonically ordered batch (also what `crl replay train` recomputes)."""
+    group_index = {g: i for i, g in enumerate(sorted({t.group_id for t in trajectories}))}
+    return subgroup_advantages(
+        torch.tensor([t.reward for t in trajectories]),
+        torch.tensor([group_index[t.group_id] for t in trajectories]),
+        torch.tensor([t.guided for t in trajectories]),
+        settings.advantage_norm, settings.advantage_eps,
+    )

@@ -1,0 +1,315 @@
+"""Starting competence on a CPU: a short supervised warm start of the tiny preset before version 0 is published.
+
+No pretrained LLM is reachable here, and a randomly initialised model neither names actions nor writes the
+extractor's answer format, so neither RL signal would ever appear. Both trainers can therefore fine-tune their
+freshly built policy for `warm_start.steps` AdamW steps (off by default; the tiny configs turn it on, paper-scale
+configs start from pretrained models instead):
+
+- **actor: behaviour cloning** from scripted solvers (`TextEnv.expert_action`: MiniHack Room heads for the stairs,
+  Sokoban follows its BFS solution). Data episodes are played partly by the solver and partly at random, so the
+  states are varied; every turn's label is the solver's action at that state, and the prompt is the rollout
+  worker's own (`render_actor_prompt`), half of them with an experience line as guided episodes have;
+- **extractor: rule-based summaries.** The same data episodes are written up by `summarise` (outcome, length, first
+  and most repeated action) in exactly the answer format the worker parses — `add` when nothing was shown, `refine`
+  of alias 1 when an experience was — and chunks of those lessons by `summarise_merge` (lessons that start with the
+  same word are merged).
+
+Everything is seeded, so the same settings give the same weights; the result is cached under
+`warm_start.cache_dir` keyed by a hash of all of it (settings, tasks, and this module's source), and a cache hit
+loads byte-identical weights. The trainer records the warm start's statistics in version 0's checkpoint metadata,
+and `RunStarted` carries the settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.envs.base import TextEnv
+from pipeline.envs.registry import env_spec, make_env, task_pool
+from pipeline.envs.settings import EnvSettings, TaskMix
+from pipeline.errors import ConfigError
+from pipeline.extractor.protocol import (
+    INVALID,
+    TrajectoryDigest,
+    distill_prompt,
+    merge_prompt,
+    render_answer,
+)
+from pipeline.extractor.settings import ExtractorSettings
+from pipeline.models.transformers_backend import TransformersPolicy
+from pipeline.rl.settings import WarmStartSettings
+from pipeline.rl.update import make_optimizer
+
+log = logging.getLogger(__name__)
+
+INVALID_RESPONSE = "wait"
+"""What a random data episode sometimes answers: no environment accepts it, so invalid turns occur."""
+
+
+# -- the rule-based summariser --------------------------------------------------------------------------------------
+
+
+def lesson(digest: TrajectoryDigest, max_chars: int) -> str:
+    """One lesson from one episode: outcome, length, the first and the most repeated action."""
+    valid = [a for a in digest.actions if a != INVALID]
+    first = valid[0] if valid else "a listed action"
+    if digest.success:
+        text = f"Solved in {len(digest.actions)} actions. Start with {first} and keep heading for the goal."
+    else:
+        repeated = Counter(valid).most_common(1)[0][0] if valid else "invalid actions"
+        text = (f"Failed after {len(digest.actions)} actions ({digest.invalid} invalid). Do not repeat {repeated};"
+                f" use listed actions and head for the goal.")
+    return text[:max_chars]
+
+
+def summarise(digest: TrajectoryDigest, shown: Sequence[str], max_chars: int) -> str:
+    """The answer the rule-based summariser writes: refine the first experience shown, or add a new one."""
+    text = lesson(digest, max_chars)
+    return render_answer([{"op": "refine", "id": 1, "text": text}] if shown else [{"op": "add", "text": text}])
+
+
+def summarise_merge(entries: Sequence[str], max_chars: int) -> str:
+    """Merge the lessons that begin with the same word (the first one's text, generalised); keep the rest."""
+    groups: dict[str, list[int]] = {}
+    for alias, text in enumerate(entries, start=1):
+        groups.setdefault(text.split(" ", 1)[0].lower(), []).append(alias)
+    ops = []
+    for word, aliases in groups.items():
+        if len(aliases) >= 2:
+            text = f"{len(aliases)} lessons agree: {entries[aliases[0] - 1]}"
+            ops.append({"op": "merge", "ids": aliases, "text": text[:max_chars]})
+    return render_answer(ops)
+
+
+# -- data episodes --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataTurn:
+    observation: str
+    history: tuple[str, ...]
+    label: str | None
+    """The scripted solver's action in this state (None: the environment has no solver)."""
+
+
+@dataclass(frozen=True)
+class DataEpisode:
+    digest: TrajectoryDigest
+    turns: tuple[DataTurn, ...]
+
+
+def _tasks(tasks: Sequence[TaskMix]) -> list[tuple[str, int]]:
+    return [(t.env_id, t.max_turns or env_spec(t.env_id).max_turns) for t in tasks]
+
+
+def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: int, expert_fraction: float,
+                       seed: int) -> list[DataEpisode]:
+    """`episodes` episodes on train-pool seeds, round robin over `tasks`: the solver plays a share of them (where
+    the environment has one), the rest act at random; every turn is labelled with the solver's action."""
+    rng = random.Random(seed)
+    built: dict[tuple[str, int], TextEnv] = {}
+    played: list[DataEpisode] = []
+    try:
+        for index in range(episodes):
+            env_id, max_turns = _tasks(tasks)[index % len(tasks)]
+            env = built.get((env_id, max_turns))
+            if env is None:
+                env = built[(env_id, max_turns)] = make_env(env_id, envs, max_turns=max_turns, split="train")
+            task_seed = rng.choice(task_pool(env_id, "train", 1000, seed))
+            goal, observation = env.reset(task_seed)
+            first = observation
+            expert = rng.random() < expert_fraction
+            actions: list[str] = []
+            turns: list[DataTurn] = []
+            success, truncated = False, False
+            while True:
+                label = env.expert_action()
+                turns.append(DataTurn(observation, tuple(actions), label))
+                if expert and label is not None:
+                    response = label
+                elif rng.random() < 0.1:
+                    response = INVALID_RESPONSE
+                else:
+                    response = rng.choice(env.available_actions())
+                outcome = env.step(response)
+                actions.append(outcome.info.action if outcome.info.valid else INVALID)
+                observation = outcome.observation
+                if outcome.done:
+                    success, truncated = outcome.info.success, outcome.info.truncated
+                    break
+            digest = TrajectoryDigest(env_id=env_id, task_family=env_spec(env_id).task_family, goal=goal,
+                                      first_observation=first, actions=tuple(actions), success=success,
+                                      truncated=truncated)
+            played.append(DataEpisode(digest, tuple(turns)))
+    finally:
+        for env in built.values():
+            env.close()
+    return played
+
+
+# -- supervised fine-tuning -----------------------------------------------------------------------------------------
+
+
+def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *, steps: int, batch_size: int,
+              lr: float, seed: int) -> list[float]:
+    """`steps` AdamW steps of token-mean cross-entropy on the responses of (prompt, response) pairs, batches drawn
+    with a seeded RNG; returns the loss of every step."""
+    if not samples:
+        raise ConfigError("the warm start has no samples (no episode of the task mix had any)")
+    rng = random.Random(seed)
+    encoded = [(policy.encode(prompt), policy.encode(response)) for prompt, response in samples]
+    optimizer = make_optimizer(policy.model, lr, 0.0, (0.9, 0.999), 1e-8)
+    policy.model.train()
+    losses = []
+    for _ in range(steps):
+        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        tokens = sum(len(response) for _, response in batch)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for start in range(0, len(batch), policy.micro_batch_size):
+            chunk = batch[start:start + policy.micro_batch_size]
+            logprobs = policy.token_logprobs([p for p, _ in chunk], [r for _, r in chunk])
+            loss = -torch.cat(logprobs).sum() / tokens
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(total)
+    policy.model.eval()
+    return losses
+
+
+def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int,
+                  max_chars: int = 400) -> list[tuple[str, str]]:
+    """(actor prompt, " <solver action>\\n") for every labelled turn; half the prompts carry an experience line."""
+    from pipeline.actor.episodes import render_actor_prompt
+
+    rng = random.Random(seed)
+    lessons = [lesson(e.digest, max_chars) for e in episodes]
+    samples = []
+    for episode in episodes:
+        for turn in episode.turns:
+            if turn.label is None:
+                continue
+            experience = rng.choice(lessons) if rng.random() < 0.5 else None
+            prompt = render_actor_prompt(episode.digest.env_id, episode.digest.goal, turn.observation,
+                                         experience=experience, history=list(turn.history),
+                                         history_turns=history_turns)
+            samples.append((prompt, f" {turn.label}\n"))
+    return samples
+
+
+def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettings,
+                      seed: int) -> list[tuple[str, str]]:
+    """(extractor prompt, rule-based answer): one distillation per episode (half with a lesson shown), and one merge
+    chunk per four episodes."""
+    rng = random.Random(seed)
+    lessons = [lesson(e.digest, settings.max_experience_chars) for e in episodes]
+    samples = []
+    for episode in episodes:
+        shown = [rng.choice(lessons)] if rng.random() < 0.5 else []
+        prompt = distill_prompt(episode.digest, shown, max_ops=settings.max_ops,
+                                max_actions=settings.max_actions_shown)
+        samples.append((prompt, summarise(episode.digest, shown, settings.max_experience_chars)))
+    families = sorted({e.digest.task_family for e in episodes})
+    for _ in range(len(episodes) // 4):
+        family = rng.choice(families)
+        pool = [text for text, e in zip(lessons, episodes) if e.digest.task_family == family]
+        entries = [rng.choice(pool) for _ in range(rng.randint(2, settings.merge_chunk))]
+        samples.append((merge_prompt(family, entries), summarise_merge(entries, settings.max_experience_chars)))
+    return samples
+
+
+# -- the warm starts, cached ----------------------------------------------------------------------------------------
+
+
+def _cache_key(kind: str, policy: TransformersPolicy, parts: dict) -> str:
+    from pipeline.models.checkpoints import weight_hash
+
+    sources = "".join(Path(module.__file__).read_text() for module in _source_modules())  # type: ignore[arg-type]
+    payload = json.dumps({"kind": kind, "initial_weights": weight_hash(policy.model), "parts": parts,
+                          "source": hashlib.sha256(sources.encode()).hexdigest()}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _source_modules() -> list:
+    import sys
+
+    import pipeline.actor.episodes
+    import pipeline.envs.minihack
+    import pipeline.envs.sokoban
+    import pipeline.extractor.protocol
+
+    return [sys.modules[__name__], pipeline.extractor.protocol, pipeline.actor.episodes, pipeline.envs.minihack,
+            pipeline.envs.sokoban]
+
+
+def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict,
+            train) -> tuple[TransformersPolicy, dict]:  # type: ignore[no-untyped-def]
+    from pipeline.models.checkpoints import load_checkpoint, save_checkpoint
+
+    key = _cache_key(kind, policy, {**parts, "warm_start": settings.model_dump(mode="json", exclude={"cache_dir"})})
+    path = settings.cache_dir / f"{kind}-{key}" if settings.cache_dir is not None else None
+    if path is not None and (path / "manifest.json").exists():
+        loaded = load_checkpoint(path)
+        stats = dict(loaded.manifest["metadata"]["warm_start"], cached=str(path))
+        log.info("%s warm start loaded from the cache %s", kind, path)
+        return loaded.policy, stats
+    started = time.perf_counter()
+    stats = train()
+    stats["seconds"] = time.perf_counter() - started
+    if path is not None:
+        save_checkpoint(path, policy, metadata={"warm_start": stats})
+    log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs", kind, stats["steps"], stats["loss_first"],
+             stats["loss_last"], stats["seconds"])
+    return policy, stats
+
+
+def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict:
+    return {"steps": len(losses), "samples": samples, "episodes": len(episodes),
+            "episode_success": sum(e.digest.success for e in episodes) / max(1, len(episodes)),
+            "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
+                     envs: EnvSettings, history_turns: int) -> tuple[TransformersPolicy, dict]:
+    """Behaviour cloning from the scripted solvers of the task mix; returns the policy and what it did."""
+    def train() -> dict:
+        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
+        samples = actor_samples(episodes, history_turns, settings.seed)
+        if not samples:
+            raise ConfigError(f"behaviour cloning needs a scripted solver, and none of {[t.env_id for t in tasks]}"
+                              " has one (MiniHack Room and Sokoban do); set actor_trainer.warm_start.steps: 0")
+        losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
+                           seed=settings.seed)
+        return _stats(losses, len(samples), episodes)
+
+    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),
+             "history_turns": history_turns}
+    return _cached("actor", policy, settings, parts, train)
+
+
+def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
+                         envs: EnvSettings, extractor: ExtractorSettings) -> tuple[TransformersPolicy, dict]:
+    """Fine-tuning on the rule-based summariser's answers; returns the policy and what it did."""
+    def train() -> dict:
+        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
+        samples = extractor_samples(episodes, extractor, settings.seed)
+        losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
+                           seed=settings.seed)
+        return _stats(losses, len(samples), episodes)
+
+    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),
+             "extractor": extractor.model_dump(mode="json", include={"max_ops", "max_experience_chars",
+                                                                     "max_actions_shown", "merge_chunk"})}
+    return _cached("extractor", policy, settings, parts, train)

@@ -1,0 +1,134 @@
+"""What a run has done so far, from the log: every topic followed from offset 0 in a thread (`LogFollower`) and
+folded into `RunProgress` (step, success of guided and free episodes, evaluation, bank size and op mix under the
+bank's own rules, parse statuses, extractor reward, versions)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from kafka import TopicPartition
+
+from infra.kafka import make_consumer
+from pipeline.bank.state import Applied, BankState, Rejected
+from pipeline.settings import Settings
+from schemas.codec import EventDecodeError, decode
+from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
+from schemas.extractions import ExtractionGenerated
+from schemas.runs import RunFinished, RunStarted
+from schemas.tasks import EpisodeAssigned
+from schemas.topics import TOPICS
+from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+
+@dataclass
+class RunProgress:
+    """Everything the live view shows, from the records of every topic (read from offset 0)."""
+
+    run_id: str
+    started: RunStarted | None = None
+    finished: RunFinished | None = None
+    step_issued: int = -1
+    actor_version: int = 0
+    extractor_version: int = 0
+    train: dict[int, list[TrajectoryCompleted]] = field(default_factory=lambda: defaultdict(list))
+    evaluation: dict[int, list[TrajectoryCompleted]] = field(default_factory=lambda: defaultdict(list))
+    bank: BankState = field(default_factory=BankState)
+    ops: Counter[str] = field(default_factory=Counter)
+    parse: Counter[str] = field(default_factory=Counter)
+    extractor_reward: float | None = None
+    actor_loss: float | None = None
+    records: int = 0
+    last_record: float = field(default_factory=time.time)
+
+    def add(self, event: object, offset: int) -> None:
+        if getattr(event, "run_id", self.run_id) != self.run_id:
+            return
+        if isinstance(event, RunStarted):
+            self.started = event
+        elif isinstance(event, RunFinished):
+            self.finished = event
+        elif isinstance(event, EpisodeAssigned):
+            self.step_issued = max(self.step_issued, event.step)
+        elif isinstance(event, TrajectoryCompleted):
+            (self.train if event.split == "train" else self.evaluation)[event.step].append(event)
+        elif isinstance(event, ExtractionGenerated):
+            self.parse[event.parse_status] += 1
+        elif isinstance(event, ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired):
+            outcome = self.bank.apply(event, offset)
+            if isinstance(outcome, Applied):
+                self.ops[event.kind.removeprefix("Experience").lower()] += 1
+            elif isinstance(outcome, Rejected):
+                self.ops["rejected"] += 1
+        elif isinstance(event, PolicyPublished):
+            if event.role == "actor":
+                self.actor_version = max(self.actor_version, event.version)
+            else:
+                self.extractor_version = max(self.extractor_version, event.version)
+        elif isinstance(event, TrainStepCompleted):
+            if event.role == "extractor":
+                self.extractor_reward = event.metrics.get("extractor/reward_mean")
+            else:
+                self.actor_loss = event.loss
+
+    @staticmethod
+    def _success(trajectories: list[TrajectoryCompleted], guided: bool) -> float | None:
+        chosen = [t.success for t in trajectories if t.guided == guided]
+        return sum(chosen) / len(chosen) if chosen else None
+
+    def latest(self, table: dict[int, list[TrajectoryCompleted]]) -> tuple[int | None, float | None, float | None]:
+        """(step, guided success, free success) of the newest step with episodes in `table`."""
+        if not table:
+            return None, None, None
+        step = max(table)
+        return step, self._success(table[step], True), self._success(table[step], False)
+
+    @property
+    def bank_size(self) -> int:
+        return sum(1 for _ in self.bank.active())
+
+
+class LogFollower:
+    """Reads every partition of every topic from offset 0 in a thread and feeds `RunProgress`."""
+
+    def __init__(self, settings: Settings, progress: RunProgress) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="crl-run-follower", daemon=True)
+        self.failure: BaseException | None = None
+
+    def start(self) -> LogFollower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _follow(self) -> None:
+        consumer = make_consumer(self.settings.kafka, client_id="crl-run-follower")
+        topics = {topic.name: topic for topic in TOPICS}
+        try:
+            partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
+            consumer.assign(partitions)
+            consumer.seek_to_beginning(*partitions)
+            while not self._stop.is_set():
+                for tp, records in consumer.poll(timeout_ms=200).items():
+                    for record in records:
+                        try:
+                            event = decode(topics[tp.topic], record.value)
+                        except EventDecodeError:
+                            continue  # a dead letter's business, not the live view's
+                        with self.lock:
+                            self.progress.add(event, record.offset)
+                            self.progress.records += 1
+                            self.progress.last_record = time.time()
+        except BaseException as exc:  # surfaced by the supervisor's loop
+            self.failure = exc
+        finally:
+            consumer.close(autocommit=False)

@@ -1,0 +1,275 @@
+"""`crl run CONFIG`: one command that runs Complementary RL end to end on one machine.
+
+    crl run configs/tiny-minihack-room.yaml                 # embedded broker, every worker, live progress, report
+    crl run configs/tiny-minihack-room.yaml --steps 3 --arm grpo --run-dir runs/grpo-3
+
+What it does, in order:
+1. uses the Kafka named by `CRL_KAFKA__BOOTSTRAP_SERVERS`, or starts the embedded broker (`--broker tansu`, the
+   default, memory-only; or `--broker kafka`, Apache Kafka with its log in `RUN_DIR/kafka/`) and writes
+   `broker.json` into the run directory; creates every topic;
+2. starts every worker the arm needs as a `crl worker` subprocess (`launch.rollout_workers` rollout and
+   `launch.extractor_workers` extractor instances; the `grpo` arm has no bank, extractor or extractor trainer), each
+   in its own session so a terminal Ctrl-C reaches only this process, each with its log under `logs/` (pids in
+   `workers.json`);
+3. follows every topic from offset 0 and shows the run live: step, success of guided and free episodes, evaluation,
+   bank size (the op log applied with the bank's own rules), op mix, parse statuses, extractor reward, and per worker
+   its state, restarts, events and lag (from the metrics every worker writes under `metrics/`);
+4. restarts a worker that exits before the run is over (at most `launch.max_restarts` times each; then the run
+   is stopped and marked failed);
+5. after `RunFinished`, waits until the run has drained: no new record for a while, and every live worker has
+   written two metrics lines since the last one, both with no lag (so the extractor has distilled the last
+   trajectories, the trainers have seen them, the bank has applied every op and the archiver has read everything);
+6. stops the workers with SIGTERM (each finishes its current event, flushes and commits), the archiver last, then
+   the broker; writes the report (`crl report`) and prints the commands to look at the run.
+
+Ctrl-C asks the scheduler to stop (`StopRequested`), then drains and stops as above, so everything that was
+recorded is archived; a second Ctrl-C stops the workers without waiting for the drain (each still flushes and
+commits what it has).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Group
+
+from infra.admin import create_topics
+from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
+from infra.kafka import make_admin, make_producer
+from pipeline.run.plan import STOP_ORDER, worker_plan
+from pipeline.run.processes import WorkerProcess, last_metrics
+from pipeline.run.progress import LogFollower, RunProgress
+from pipeline.run.view import live_view, numbers, summary_line
+from pipeline.settings import Settings
+from schemas.base import Producer
+from schemas.codec import encode
+from schemas.runs import StopRequested
+from schemas.topics import CONTROL
+
+QUIET_S = 3.0
+"""A drained run has published nothing for at least this long."""
+
+
+class RunFailed(RuntimeError):
+    """A worker kept crashing, or the broker died."""
+
+
+class RunSupervisor:
+    """Starts the broker and the workers of one run, watches them, and stops everything in order."""
+
+    def __init__(self, settings: Settings, config: Path, env_overrides: dict[str, str], console) -> None:  # type: ignore[no-untyped-def]
+        self.settings = settings
+        self.config = config
+        self.env_overrides = env_overrides
+        self.console = console
+        self.run_dir = settings.run_dir
+        self.run_id = settings.resolved_run_id
+        self.broker: EmbeddedBroker | None = None
+        self.workers = [WorkerProcess(kind, instance) for kind, instance in worker_plan(settings)]
+        self.progress = RunProgress(self.run_id)
+        self.follower: LogFollower | None = None
+        self.interrupts = 0
+        self.started = time.monotonic()
+        self.stop_sent = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def run(self) -> RunProgress:
+        """Run to the end (or to a stop); returns what happened. Raises `RunFailed`."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start_broker()
+            self.follower = LogFollower(self.settings, self.progress).start()
+            for worker in self.workers:
+                self._spawn(worker)
+            self._watch()
+        finally:
+            try:
+                self._stop_workers()
+            finally:
+                if self.follower is not None:
+                    self.follower.stop()
+                if self.broker is not None:
+                    self.broker.stop()
+                    remove_broker_file(self.run_dir)
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+        return self.progress
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.interrupts += 1
+
+    def _start_broker(self) -> None:
+        if not self.settings.kafka.bootstrap_servers:
+            self.broker = embedded_broker(self.settings.broker, data_dir=self.run_dir / "kafka",
+                                          log_path=self.run_dir / "logs" / "broker.log")
+            with self.console.status(f"starting {self.broker.description}"):
+                self.broker.start()
+            self.console.print(f"broker {self.broker.description} at {self.broker.bootstrap_servers} "
+                               f"(started in {self.broker.start_seconds:.1f}s)", highlight=False)
+            self.settings = self.settings.with_bootstrap(self.broker.bootstrap_servers)
+            write_broker_file(self.run_dir, self.broker.bootstrap_servers, self.broker.pid, self.broker.kind)
+        admin = make_admin(self.settings.kafka, client_id="crl-run")
+        try:
+            create_topics(admin)
+        finally:
+            admin.close()
+
+    def _environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "CRL_CONFIG"}  # CRL_* overrides reach the workers
+        env.update(self.env_overrides)
+        env.update({
+            "CRL_CONFIG": str(self.config.resolve()),
+            "CRL_RUN_DIR": str(self.run_dir.resolve()),
+            "CRL_RUN_ID": self.run_id,
+            "CRL_KAFKA__BOOTSTRAP_SERVERS": self.settings.kafka.bootstrap_servers or "",
+            "CRL_RUNNER__METRICS_INTERVAL_S": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        })
+        return env
+
+    def _spawn(self, worker: WorkerProcess) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        output = (logs / f"{worker.instance}.out").open("ab")
+        try:
+            worker.process = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "--log-level", "warning", "worker", worker.kind,
+                 "--instance", worker.instance],
+                env=self._environment(), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+        finally:
+            output.close()
+        self._write_process_table()
+
+    def _write_process_table(self) -> None:
+        """`workers.json`: every worker's kind, pid and restarts, for a person (or a test) who wants to poke one."""
+        table = {w.instance: {"kind": w.kind, "pid": w.process.pid if w.process else None, "restarts": w.restarts}
+                 for w in self.workers}
+        path = self.run_dir / "workers.json"
+        path.with_suffix(".tmp").write_text(json.dumps(table, indent=1))
+        path.with_suffix(".tmp").replace(path)
+
+    # -- watching -------------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        from rich.live import Live
+
+        interval = self.settings.launch.progress_interval_s
+        live = Live(self.view(), console=self.console, refresh_per_second=2, transient=False,
+                    redirect_stderr=False) if self.console.is_terminal else None
+        last_line = 0.0
+        drain_started: float | None = None
+        try:
+            if live is not None:
+                live.start()
+            while True:
+                time.sleep(interval)
+                if self.follower is not None and self.follower.failure is not None:
+                    raise RunFailed(f"reading the log failed: {self.follower.failure}")
+                if self.broker is not None and not self.broker.is_running():
+                    raise RunFailed(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
+                if self.interrupts == 1 and not self.stop_sent:
+                    self._request_stop("interrupted (Ctrl-C)")
+                if self.interrupts >= 2:
+                    self.console.print("second interrupt: stopping the workers now")
+                    return
+                finished = self.progress.finished is not None
+                self._check_workers(finished)
+                if live is not None:
+                    live.update(self.view())
+                elif time.monotonic() - last_line > 10:
+                    last_line = time.monotonic()
+                    self.console.print(self.summary_line(), highlight=False, soft_wrap=True)
+                if finished:
+                    drain_started = drain_started or time.monotonic()
+                    if self.drained():
+                        return
+                    if time.monotonic() - drain_started > self.settings.launch.drain_timeout_s:
+                        self.console.print(f"[yellow]not drained after {self.settings.launch.drain_timeout_s:.0f}s;"
+                                           " stopping anyway (each worker still commits what it has)[/yellow]")
+                        return
+        finally:
+            if live is not None:
+                live.update(self.view())
+                live.stop()
+
+    def _request_stop(self, reason: str) -> None:
+        self.stop_sent = True
+        self.console.print(f"stopping the run: {reason} (Ctrl-C again to stop without draining)")
+        producer = make_producer(self.settings.kafka, client_id="crl-run")
+        try:
+            event = StopRequested(event_id=uuid.uuid4(), run_id=self.run_id,
+                                  producer=Producer(worker="crl-run", instance=f"crl-run-{os.getpid()}"),
+                                  reason=reason)
+            producer.send(CONTROL.name, key=CONTROL.key_bytes(event), value=encode(event))
+            producer.flush()
+        finally:
+            producer.close()
+
+    def _check_workers(self, finished: bool) -> None:
+        for worker in self.workers:
+            code = worker.process.poll() if worker.process is not None else None
+            if code is None or (finished and code == 0) or (worker.kind == "scheduler" and code == 0):
+                continue  # running, or done with the run
+            if worker.restarts >= self.settings.launch.max_restarts:
+                if not self.stop_sent:
+                    self._request_stop(f"{worker.instance} crashed {worker.restarts + 1} times")
+                raise RunFailed(f"{worker.instance} exited with code {code} after {worker.restarts} restarts; "
+                                f"see {self.run_dir / 'logs' / (worker.instance + '.log')} and .out")
+            worker.restarts += 1
+            self.console.print(f"[yellow]{worker.instance} exited with code {code}; restart {worker.restarts} of "
+                               f"{self.settings.launch.max_restarts}[/yellow]")
+            self._spawn(worker)
+
+    def drained(self) -> bool:
+        """Nothing published for `QUIET_S`, and every live worker wrote two lag-free metrics lines since."""
+        with self.follower.lock if self.follower is not None else threading.Lock():
+            last_record = self.progress.last_record
+        if time.time() - last_record < QUIET_S:
+            return False
+        for worker in self.workers:
+            if not worker.running:
+                continue
+            lines = [line for line in last_metrics(self.run_dir, worker.instance) if line["t"] > last_record]
+            if len(lines) < 2 or any(line.get("lag") for line in lines):
+                return False
+        return True
+
+    def _stop_workers(self) -> None:
+        for kind in STOP_ORDER:
+            group = [w for w in self.workers if w.kind == kind and w.running]
+            for worker in group:
+                worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            for worker in group:
+                try:
+                    worker.process.wait(timeout=60)  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    self.console.print(f"[red]{worker.instance} did not stop in 60s; killed[/red]")
+                    worker.process.kill()  # type: ignore[union-attr]
+                    worker.process.wait()  # type: ignore[union-attr]
+
+    # -- the view -------------------------------------------------------------------------------------------------
+
+    # -- the view -------------------------------------------------------------------------------------------------
+
+    def _figures(self) -> dict[str, str]:
+        lock = self.follower.lock if self.follower is not None else threading.Lock()
+        return numbers(self.progress, lock, self.settings.scheduler.steps)
+
+    def summary_line(self) -> str:
+        return summary_line(self._figures(), self.started)
+
+    def view(self) -> Group:
+        return live_view(self._figures(), run_id=self.run_id, arm=self.settings.scheduler.arm, run_dir=self.run_dir,
+                         started=self.started, workers=self.workers)

@@ -1,0 +1,40 @@
+"""A content-addressed blob store under the run directory (claim checks for payloads too large for an event).
+
+`put(data)` writes `RUN_DIR/blobs/<sha256[:2]>/<sha256>` atomically (write, fsync, rename) and returns a `file://`
+URI; writing the same bytes twice is a no-op. `get(uri)` reads them back and verifies the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from pipeline.runtime.durable import fsync_directory, fsync_file
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def put(self, data: bytes) -> tuple[str, str]:
+        """Store `data`; returns `(uri, sha256)`."""
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.root / digest[:2] / digest
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{digest}.{os.getpid()}.tmp")
+            temporary.write_bytes(data)
+            fsync_file(temporary)
+            os.replace(temporary, path)
+            fsync_directory(path.parent)
+        return path.resolve().as_uri(), digest
+
+    def get(self, uri: str) -> bytes:
+        if not uri.startswith("file://"):
+            raise ValueError(f"not a blob-store URI: {uri}")
+        path = Path(uri.removeprefix("file://"))
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != path.name:
+            raise ValueError(f"blob {path} does not match its sha256 name")
+        return data

@@ -1,0 +1,79 @@
+"""What a worker is built from: its settings, its instance name, the run's database, blobs and Kafka address.
+
+The runtime reads only the few settings every worker shares (`RuntimeSettings`); a worker's own sections come with
+the full settings object it is given (`context.settings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy import Engine
+
+from infra.broker import read_broker_file
+from infra.db import DbSettings, database_url, make_engine, migrate
+from infra.kafka import KafkaSettings
+from pipeline.errors import ConfigError
+from pipeline.runtime.blobs import BlobStore
+from pipeline.runtime.offsets import SqlOffsetStore
+from pipeline.runtime.settings import RunnerSettings
+
+
+class RuntimeSettings(Protocol):
+    """The settings the runtime reads; `pipeline.settings.Settings` has them all."""
+
+    run_dir: Path
+    kafka: KafkaSettings
+    db: DbSettings
+    runner: RunnerSettings
+    max_payload_bytes: int
+
+    @property
+    def resolved_run_id(self) -> str: ...
+
+
+def resolve_kafka(settings: RuntimeSettings) -> KafkaSettings:
+    """Kafka settings with the bootstrap address filled in: the configured one, else the run dir's embedded broker."""
+    if settings.kafka.bootstrap_servers:
+        return settings.kafka
+    broker = read_broker_file(settings.run_dir)
+    if broker is not None:
+        return settings.kafka.model_copy(update={"bootstrap_servers": broker["bootstrap_servers"]})
+    raise ConfigError(
+        f"no broker: set CRL_KAFKA__BOOTSTRAP_SERVERS, or start one with `crl stack up --run-dir {settings.run_dir}`"
+    )
+
+
+@dataclass
+class WorkerContext:
+    """What a worker may use to build itself: frozen settings, its instance name, the run's database and blobs."""
+
+    settings: Any
+    """The full settings (`pipeline.settings.Settings`): the runtime reads its `RuntimeSettings` part."""
+    instance: str
+    _engine: Engine | None = field(default=None, repr=False)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.settings.run_dir
+
+    @property
+    def engine(self) -> Engine:
+        """The run's SQL database, migrated to the latest schema on first use."""
+        if self._engine is None:
+            self._engine = make_engine(database_url(self.settings.db, self.run_dir), echo=self.settings.db.echo)
+            migrate(self._engine)
+        return self._engine
+
+    @property
+    def blobs(self) -> BlobStore:
+        return BlobStore(self.run_dir / "blobs")
+
+    def sql_offset_store(self, worker: str) -> SqlOffsetStore:
+        return SqlOffsetStore(self.engine, worker)
+
+    @property
+    def kafka(self) -> KafkaSettings:
+        return resolve_kafka(self.settings)

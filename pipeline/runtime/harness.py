@@ -1,0 +1,175 @@
+"""Run a worker on a list of events without a broker (for unit tests), through the very same `WorkerRunner`.
+
+    result = run_processor(MyProcessor(), [event1, event2, RawRecord("crl.trajectories", b"garbage")])
+    assert result.outputs == [...]
+    assert result.dead_letters[0].error_class == "MalformedPayloadError"
+
+The in-memory logs record every produce, flush and commit in `result.journal`, so ordering guarantees (outputs
+acknowledged before input offsets are committed) can be asserted directly.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.runtime.blobs import BlobStore
+from pipeline.runtime.runner import Limits, Processor, Source, WorkerRunner
+from pipeline.runtime.settings import RunnerSettings
+from pipeline.runtime.transport import Position, Record
+from schemas.base import Event, Producer
+from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES, decode, encode
+from schemas.dead_letters import DeadLetter
+from schemas.topics import DEAD_LETTERS, topic_named, topic_of
+
+MEMORY_LOG_ID = "memory-log"
+"""The log id records fed through the harness carry."""
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """Bytes to feed a worker as if a raw Kafka client had written them to `topic`."""
+
+    topic: str
+    value: bytes | None
+    key: bytes | None = None
+    partition: int = 0
+
+
+@dataclass
+class Journal:
+    """Every transport action in order: ("send", topic, offset) / ("flush", n) / ("commit", positions)."""
+
+    entries: list[tuple] = field(default_factory=list)
+
+    def kinds(self) -> list[str]:
+        return [entry[0] for entry in self.entries]
+
+
+class MemoryInput:
+    """Delivers a fixed list of records, `batch_size` per poll; remembers what was committed."""
+
+    def __init__(self, records: list[Record], journal: Journal, batch_size: int = 100) -> None:
+        self._records = records
+        self._next = 0
+        self.batch_size = batch_size
+        self.journal = journal
+        self.committed: dict[Position, int] = {}
+        self.revoked: set[Position] = set()  # partitions a test moved to "another member"
+
+    def poll(self, timeout_ms: int) -> list[Record]:
+        batch = self._records[self._next : self._next + self.batch_size]
+        self._next += len(batch)
+        return batch
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self._records)
+
+    def owns(self, position: Position) -> bool:
+        return position not in self.revoked
+
+    def commit(self, positions: Mapping[Position, int]) -> None:
+        self.committed.update(positions)
+        self.journal.entries.append(("commit", dict(positions)))
+
+    def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
+        ends: dict[Position, int] = {}
+        for record in self._records:
+            ends[(record.topic, record.partition)] = record.offset + 1
+        return {pos: end - positions.get(pos, 0) for pos, end in ends.items()}
+
+    def close(self) -> None:
+        self.journal.entries.append(("close-input",))
+
+
+class MemoryOutput:
+    """Keeps sent records; they count as delivered only after `flush()`. `fail_next_flush` simulates a broker error."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.pending: list[tuple[str, bytes, bytes, list]] = []
+        self.delivered: list[tuple[str, bytes, bytes, list]] = []
+        self.fail_next_flush: Exception | None = None
+
+    def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self.pending.append((topic, key, value, headers))
+        self.journal.entries.append(("send", topic))
+
+    def flush(self) -> None:
+        if self.fail_next_flush is not None:
+            error, self.fail_next_flush = self.fail_next_flush, None
+            raise error
+        self.delivered += self.pending
+        self.journal.entries.append(("flush", len(self.pending)))
+        self.pending = []
+
+    def close(self) -> None:
+        self.journal.entries.append(("close-output",))
+
+
+@dataclass
+class HarnessResult:
+    outputs: list[Event]
+    dead_letters: list[DeadLetter]
+    committed: dict[Position, int]
+    journal: Journal
+    runner: WorkerRunner
+
+
+def to_records(items: Iterable[Event | RawRecord]) -> list[Record]:
+    """Encode events to their registry topic (raw records as given), numbering offsets per partition."""
+    next_offset: dict[Position, int] = {}
+    records = []
+    for item in items:
+        if isinstance(item, RawRecord):
+            topic, partition, key, value = item.topic, item.partition, item.key, item.value
+        else:
+            registry_topic = topic_of(item)
+            topic, partition, key, value = registry_topic.name, 0, registry_topic.key_bytes(item), encode(item)
+        offset = next_offset.get((topic, partition), 0)
+        next_offset[(topic, partition)] = offset + 1
+        records.append(Record(topic, partition, offset, key, value, timestamp_ms=1_700_000_000_000 + len(records),
+                              log_id=MEMORY_LOG_ID))
+    return records
+
+
+def run_processor(
+    processor: Processor | Source,
+    inputs: Iterable[Event | RawRecord] = (),
+    *,
+    settings: RunnerSettings | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    batch_size: int = 100,
+    run_id: str = "test-run",
+    output: MemoryOutput | None = None,
+    blobs: BlobStore | None = None,
+) -> HarnessResult:
+    """Run `processor` until every input is handled (or it stops itself), then decode what it published."""
+    journal = output.journal if output is not None else Journal()
+    blobs = blobs or BlobStore(Path(tempfile.mkdtemp(prefix="crl-harness-blobs-")))
+    records = to_records(inputs)
+    input_log = MemoryInput(records, journal, batch_size)
+    output_log = output or MemoryOutput(journal)
+    runner = WorkerRunner(
+        processor,
+        input_log=input_log if processor.inputs or records else None,
+        output_log=output_log,
+        producer=Producer(worker=processor.name, instance=f"{processor.name}-test"),
+        run_id=run_id,
+        settings=settings or RunnerSettings(retry_backoff_s=0.001, retry_backoff_max_s=0.01),
+        max_payload_bytes=max_payload_bytes,
+        blobs=blobs,
+        limits=Limits(max_events=len(records)) if isinstance(processor, Processor) else Limits(),
+    )
+    if isinstance(processor, Processor) and not records:
+        runner.request_stop("no inputs")
+    runner.run()
+    outputs: list[Event] = []
+    dead_letters: list[DeadLetter] = []
+    for topic, _key, value, _headers in output_log.delivered:
+        event = decode(topic_named(topic), value, max_bytes=1 << 30)
+        (dead_letters if topic == DEAD_LETTERS.name else outputs).append(event)
+    return HarnessResult(outputs, dead_letters, dict(input_log.committed), journal, runner)

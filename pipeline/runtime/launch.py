@@ -1,0 +1,78 @@
+"""Turning a worker class plus settings into a running worker: its context (`pipeline.runtime.context`) and its
+Kafka wiring.
+
+`crl worker NAME` is `build_runner(registry[NAME], settings).run()`. The registry is every mapping published under the
+`crl.workers` entry-point group (this repository publishes `workers:WORKERS`), so a package of your own can add
+worker kinds; within this repository a new kind is one file in `workers/` and one line in `WORKERS`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from importlib.metadata import entry_points
+
+from infra.admin import topic_ids
+from infra.kafka import make_admin, make_consumer, make_producer
+from pipeline.errors import ConfigError
+from pipeline.runtime.context import RuntimeSettings, WorkerContext, resolve_kafka
+from pipeline.runtime.runner import Limits, Processor, Source, WorkerRunner
+from pipeline.runtime.transport import InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
+from schemas.base import Producer
+
+WorkerClass = type[Processor] | type[Source]
+
+ENTRY_POINT_GROUP = "crl.workers"
+
+
+def load_worker_registry() -> dict[str, WorkerClass]:
+    """Every worker kind published under the `crl.workers` entry-point group."""
+    registry: dict[str, WorkerClass] = {}
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        for name, worker in entry.load().items():
+            if name in registry and registry[name] is not worker:
+                raise ConfigError(f"worker kind {name!r} is registered twice ({entry.value} and another registry)")
+            registry[name] = worker
+    if not registry:
+        raise ConfigError(f"no worker registry found under entry points {ENTRY_POINT_GROUP!r}; is the package installed?")
+    return registry
+
+
+def default_instance(worker: str) -> str:
+    return f"{worker}-{socket.gethostname()}-{os.getpid()}"
+
+
+def build_runner(
+    worker_class: WorkerClass, settings: RuntimeSettings, *, instance: str | None = None, limits: Limits = Limits()
+) -> WorkerRunner:
+    """Build the worker and connect it to Kafka: group or assign mode as it declares, producer for its outputs."""
+    kafka = resolve_kafka(settings)
+    instance = instance or default_instance(worker_class.name)
+    context = WorkerContext(settings, instance)
+    worker = worker_class.build(context)
+    input_log: InputLog | None = None
+    if worker_class.inputs:
+        names = [topic.name for topic in worker_class.inputs]
+        admin = make_admin(kafka, client_id=instance)
+        try:
+            log_ids = topic_ids(admin, names)
+        finally:
+            admin.close()
+        if worker_class.consumption == "group":
+            input_log = KafkaGroupInput(make_consumer(kafka, group_id=f"crl-{worker_class.name}", client_id=instance),
+                                        names, log_ids)
+        else:
+            input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance, auto_offset_reset="none"),
+                                           names, worker.offset_store(context), log_ids)
+    return WorkerRunner(
+        worker,
+        input_log=input_log,
+        output_log=KafkaOutput(make_producer(kafka, client_id=instance)),
+        producer=Producer(worker=worker_class.name, instance=instance),
+        run_id=settings.resolved_run_id,
+        settings=settings.runner,
+        max_payload_bytes=settings.max_payload_bytes,
+        blobs=context.blobs,
+        metrics_path=settings.run_dir / "metrics" / f"{instance}.jsonl",
+        limits=limits,
+    )

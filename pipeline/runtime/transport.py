@@ -1,0 +1,293 @@
+"""Where records come from and go to. The worker runner talks only to `InputLog` and `OutputLog`.
+
+Kafka implementations live here; `pipeline/runtime/harness.py` has in-memory ones for broker-free unit tests.
+
+Two ways to consume:
+- **group mode** (`KafkaGroupInput`): a consumer group spreads partitions over instances (rollout, extractor);
+  offsets are committed to Kafka.
+- **assign mode** (`KafkaAssignedInput`): the worker reads every partition itself and keeps its own positions (an
+  `OffsetStore`, e.g. SQL). First record in ~0.03 s and exact resume; right for trainers, the bank and the
+  archiver, which read every partition anyway (shared/KAFKA.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, OffsetOutOfRangeError
+from kafka.structs import OffsetAndMetadata
+
+from pipeline.errors import ConfigError, RetryableError, WorkerFailedError
+from pipeline.runtime.offsets import LogPosition
+
+log = logging.getLogger(__name__)
+
+Position = tuple[str, int]
+"""(topic, partition)."""
+
+_STALE_POSITIONS = (
+    "the broker no longer has the records these positions were saved against, and it reports no new topic id that"
+    " would tell a new log apart (Kafka before 2.8). Use a new run directory, or remove this worker's rows from the"
+    " consumer_offsets table to read the log from the start."
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record as read from a log, before decoding."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+    headers: tuple[tuple[str, bytes], ...] = ()
+    log_id: str = ""
+    """Kafka topic id of the log the offset counts in (new at every topic creation)."""
+
+
+class OffsetStore(Protocol):
+    """Where an assign-mode worker keeps its next offset per (topic, partition), with the log it counts in."""
+
+    def load(self) -> dict[Position, LogPosition]: ...
+
+    def save(self, positions: Mapping[Position, LogPosition]) -> None: ...
+
+
+class InputLog(Protocol):
+    def poll(self, timeout_ms: int) -> list[Record]: ...
+
+    def commit(self, positions: Mapping[Position, int]) -> None:
+        """Make `positions` (next offsets to read) the durable resume point."""
+
+    def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
+        """Records not yet handled per assigned partition (high watermark - handled position)."""
+
+    def owns(self, position: Position) -> bool:
+        """Whether records of `position` may be handled and committed by this worker right now."""
+
+    def close(self) -> None: ...
+
+
+class OutputLog(Protocol):
+    def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None: ...
+
+    def flush(self) -> None:
+        """Block until every record sent so far is acknowledged; raise `WorkerFailedError` if one was not."""
+
+    def close(self) -> None: ...
+
+
+def _records(batches: Mapping[TopicPartition, list], log_ids: Mapping[str, str]) -> list[Record]:
+    records = []
+    for batch in batches.values():
+        for message in batch:
+            records.append(
+                Record(
+                    topic=message.topic,
+                    partition=message.partition,
+                    offset=message.offset,
+                    key=message.key,
+                    value=message.value,
+                    timestamp_ms=message.timestamp,
+                    headers=tuple(message.headers or ()),
+                    log_id=log_ids.get(message.topic, ""),
+                )
+            )
+    return records
+
+
+def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Position, int]:
+    lag = {}
+    for tp in consumer.assignment():
+        high = consumer.highwater(tp)
+        if high is None:
+            continue
+        handled = positions.get((tp.topic, tp.partition))
+        if handled is None:
+            try:
+                handled = consumer.position(tp, timeout_ms=100)
+            except KafkaError:
+                continue
+        if handled is not None:
+            lag[(tp.topic, tp.partition)] = max(0, high - handled)
+    return lag
+
+
+class KafkaGroupInput:
+    """Consumer-group input; commits go to Kafka.
+
+    kafka-python 3 calls rebalance listeners on its IO thread, where blocking calls (a commit) are forbidden, so the
+    listener only keeps the set of partitions this member owns; the runner asks `owns()` before it handles or
+    commits a partition. Records of a revoked partition that were already fetched are skipped, and its uncommitted
+    progress is re-read by the new owner from the last commit (at-least-once; commits follow every poll batch).
+    """
+
+    def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str]) -> None:
+        self.consumer = consumer
+        self.log_ids = dict(log_ids)
+        self._owned: set[Position] = set()
+        self._owned_lock = threading.Lock()
+        outer = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+                with outer._owned_lock:
+                    outer._owned -= {(tp.topic, tp.partition) for tp in revoked}
+                log.info("partitions revoked: %s", sorted((tp.topic, tp.partition) for tp in revoked))
+
+            def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+                with outer._owned_lock:
+                    outer._owned |= {(tp.topic, tp.partition) for tp in assigned}
+                log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+        consumer.subscribe(topics=list(topics), listener=_Listener())
+
+    def owns(self, position: Position) -> bool:
+        with self._owned_lock:
+            return position in self._owned
+
+    def poll(self, timeout_ms: int) -> list[Record]:
+        return _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
+
+    def commit(self, positions: Mapping[Position, int]) -> None:
+        if not positions:
+            return
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(offset, "", -1) for (t, p), offset in positions.items()}
+        try:
+            self.consumer.commit(offsets)
+        except KafkaError as exc:
+            raise RetryableError(f"offset commit failed: {exc}") from exc
+
+    def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
+        return _lag(self.consumer, positions)
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+
+
+class KafkaAssignedInput:
+    """Reads every partition of `topics`, resuming from `offsets` (the worker's own store)."""
+
+    def __init__(
+        self,
+        consumer: KafkaConsumer,
+        topics: Iterable[str],
+        offsets: OffsetStore,
+        log_ids: Mapping[str, str],
+        metadata_timeout_s: float = 10.0,
+    ) -> None:
+        self.consumer = consumer
+        self.offsets = offsets
+        self.log_ids = dict(log_ids)
+        partitions = []
+        for name in topics:
+            deadline = time.monotonic() + metadata_timeout_s
+            found = consumer.partitions_for_topic(name)
+            while not found and time.monotonic() < deadline:
+                time.sleep(0.1)
+                consumer.topics()  # refreshes metadata
+                found = consumer.partitions_for_topic(name)
+            if not found:
+                raise ConfigError(f"topic {name} does not exist on the broker; run `crl topics create`")
+            partitions += [TopicPartition(name, p) for p in sorted(found)]
+        consumer.assign(partitions)
+        stored = offsets.load()
+        self._unverified: dict[TopicPartition, int] = {}
+        resumed = 0
+        for tp in partitions:
+            position = stored.get((tp.topic, tp.partition))
+            current_log = self.log_ids.get(tp.topic, "")
+            if position is not None and position.log_id != current_log:
+                # A restarted embedded broker (memory only) or a re-created topic: a new log, counted from 0. Read it
+                # from its start; the old log's records stay where they were archived.
+                log.warning("%s[%d]: stored position %d counts in log %s, the broker now has log %s; reading the new"
+                            " log from its start", tp.topic, tp.partition, position.next_offset, position.log_id,
+                            current_log)
+                position = None
+            if position is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, position.next_offset)
+                self._unverified[tp] = position.next_offset
+                resumed += 1
+        log.info("assigned %d partitions; resuming %d from stored offsets", len(partitions), resumed)
+
+    def poll(self, timeout_ms: int) -> list[Record]:
+        try:
+            records = _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
+        except OffsetOutOfRangeError as exc:
+            raise ConfigError(f"a stored position lies outside the log ({exc}); {_STALE_POSITIONS}") from exc
+        if self._unverified:
+            self._check_positions_inside_log()
+        return records
+
+    def _check_positions_inside_log(self) -> None:
+        # Tansu answers a fetch past the end with nothing rather than OFFSET_OUT_OF_RANGE, so a stale position
+        # would wait silently while the new log's first records go unread. Compare with the high watermark the
+        # first fetch response reports instead.
+        for tp, position in list(self._unverified.items()):
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            if position > high:
+                raise ConfigError(
+                    f"{tp.topic}[{tp.partition}]: the stored position {position} is past the end of the log ({high});"
+                    f" {_STALE_POSITIONS}"
+                )
+            del self._unverified[tp]
+
+    def owns(self, position: Position) -> bool:
+        return True  # every partition is assigned to this worker for its whole life
+
+    def commit(self, positions: Mapping[Position, int]) -> None:
+        if positions:
+            self.offsets.save({
+                (topic, partition): LogPosition(offset, self.log_ids.get(topic, ""))
+                for (topic, partition), offset in positions.items()
+            })
+
+    def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
+        return _lag(self.consumer, positions)
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+
+
+class KafkaOutput:
+    """Producer side; `flush()` waits for every acknowledgement and fails loudly if any send failed."""
+
+    def __init__(self, producer: KafkaProducer, flush_timeout_s: float = 60.0) -> None:
+        self.producer = producer
+        self.flush_timeout_s = flush_timeout_s
+        self._pending: list = []
+
+    def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self._pending.append(self.producer.send(topic, key=key, value=value, headers=headers))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            self.producer.flush(timeout=self.flush_timeout_s)
+        except KafkaError as exc:
+            raise WorkerFailedError(f"producer flush failed: {exc}") from exc
+        failures = [future.exception for future in pending if future.failed()]
+        unfinished = sum(1 for future in pending if not future.is_done)
+        if failures or unfinished:
+            raise WorkerFailedError(
+                f"{len(failures)} records failed and {unfinished} were not acknowledged; first error: "
+                f"{failures[0] if failures else 'timeout'}"
+            )
+
+    def close(self) -> None:
+        self.producer.close(timeout=10)

@@ -1,0 +1,154 @@
+"""The scheduler's plan as pure functions of the settings and the step (hand-worked values), episode metrics, the
+rollout worker's prompt and held-back positions, and the run configs in configs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.actor.episodes import Episode, EpisodePlayer, actor_prompt
+from pipeline.actor.metrics import episode_metrics, summary_line
+from pipeline.envs.registry import task_pool
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+from schemas.base import Producer
+from schemas.trajectories import Timings, TrajectoryCompleted, Turn
+from workers.rollout import Rollout
+from workers.scheduler import (
+    eval_assignments,
+    eval_due,
+    guided_slots,
+    merge_due,
+    required_version,
+    scheduled_id,
+    train_assignments,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
+PRODUCER = Producer(worker="scheduler", instance="s-0")
+
+
+def _settings(**scheduler: object) -> Settings:
+    return Settings(scheduler={"steps": 6, "tasks": [{"env_id": "MiniHack-Room-Random-5x5-v0"}], **scheduler},
+                    actor_trainer={"group_size": 4, "groups_per_step": 2, "warmup_steps": 2})
+
+
+def test_required_version_is_the_staleness_bound():
+    on_policy = _settings()
+    assert [required_version(on_policy, s) for s in range(6)] == [0, 0, 0, 1, 2, 3]  # steps 0, 1 are warm-up
+    stale = _settings(staleness=1)
+    assert [required_version(stale, s) for s in range(6)] == [0, 0, 0, 0, 1, 2]
+    assert [required_version(_settings(arm="exp_only"), s) for s in range(6)] == [0] * 6
+
+
+def test_guided_slots_merges_and_evaluations():
+    settings = _settings(merge_every=2, eval_every=4)
+    assert [guided_slots(settings, s, 4) for s in range(4)] == [0, 0, 2, 2]
+    assert [guided_slots(_settings(arm="grpo"), s, 4) for s in range(4)] == [0, 0, 0, 0]
+    assert [merge_due(settings, s) for s in range(6)] == [False, False, True, False, True, False]
+    assert not any(merge_due(_settings(arm="grpo", merge_every=2), s) for s in range(6))
+    assert [eval_due(settings, s) for s in range(6)] == [True, False, False, False, True, True]  # and the last
+    assert not any(eval_due(_settings(eval_every=0), s) for s in range(6))
+
+
+def test_train_assignments_are_groups_of_one_task_with_deterministic_ids():
+    settings = _settings()
+    step3 = train_assignments(settings, "run", PRODUCER, 3)
+    assert len(step3) == 8 and [(a.group_id, a.slot, a.guided) for a in step3[:4]] == [
+        ("s000003-g000", 0, True), ("s000003-g000", 1, True), ("s000003-g000", 2, False), ("s000003-g000", 3, False)]
+    assert len({a.seed for a in step3[:4]}) == 1 and all(a.policy_version == 1 for a in step3)
+    assert all(a.max_turns == 30 and a.task_family == "minihack-room" and a.split == "train" for a in step3)
+    assert [a.event_id for a in step3] == [a.event_id for a in train_assignments(settings, "run", PRODUCER, 3)]
+    assert step3[0].event_id == scheduled_id("run", "train", 3, 0, 0)
+    assert not set(a.event_id for a in step3) & set(a.event_id for a in train_assignments(settings, "other", PRODUCER,
+                                                                                          3))
+
+
+def test_eval_assignments_cover_the_fixed_eval_pool_guided_and_free():
+    settings = _settings(eval_tasks_per_env=3)
+    episodes = eval_assignments(settings, "run", PRODUCER, 4)
+    pool = task_pool("MiniHack-Room-Random-5x5-v0", "eval", 3, 0)
+    assert [(a.seed, a.slot, a.guided) for a in episodes] == [(s, slot, slot == 0) for s in pool for slot in (0, 1)]
+    assert all(a.split == "eval" and a.group_size == 2 for a in episodes)
+    grpo = eval_assignments(_settings(arm="grpo", eval_tasks_per_env=3), "run", PRODUCER, 4)
+    assert [(a.slot, a.guided, a.group_size) for a in grpo] == [(0, False, 1)] * 3
+
+
+def _trajectory(env_id: str, guided: bool, success: bool, actions: int, invalid: int) -> TrajectoryCompleted:
+    turn = Turn(observation="o", prompt_token_ids=(1,), response_token_ids=(2,), sampling_logprobs=(-1.0,),
+                response_text="x", action="east", valid=True, reward=0.0)
+    return TrajectoryCompleted(
+        run_id="r", producer=PRODUCER, trajectory_id=f"t-{env_id}-{guided}-{success}-{actions}",
+        assignment_event_id="a", step=0, split="train", env_id=env_id, task_family="f", seed=0, group_id="g", slot=0,
+        guided=guided, goal="g", turns=(turn,), reward=float(success), success=success, num_actions=actions,
+        invalid_actions=invalid, truncated=not success, timings=Timings(generation_s=0, env_s=0, retrieval_s=0),
+        retrieved=(), policy_version=0)
+
+
+def test_episode_metrics_hand_worked():
+    trajectories = [_trajectory("Room", True, True, 4, 1), _trajectory("Room", True, False, 10, 5),
+                    _trajectory("Room", False, True, 8, 0), _trajectory("Maze", False, False, 6, 0)]
+    m = episode_metrics(trajectories, "train")
+    assert m["train/all/episodes"] == 4 and m["train/all/success"] == 0.5
+    assert m["train/all/actions_per_solved"] == 6.0  # (4 + 8) / 2
+    assert m["train/all/invalid_rate"] == 6 / 28
+    assert m["train/guided/success"] == 0.5 and m["train/free/success"] == 0.5
+    assert m["train/Room/guided/actions_per_solved"] == 4.0 and m["train/Room/invalid_rate"] == 6 / 22
+    assert "train/Maze/actions_per_solved" not in m and m["train/Maze/free/success"] == 0.0
+    assert summary_line(m, "train") == "success 0.50 (guided 0.50, free 0.50), 6.0 actions per solved, 21% invalid"
+
+
+def test_actor_prompt_shows_the_experience_but_the_observation_stays_clean():
+    assignment = train_assignments(_settings(), "run", PRODUCER, 3)[0]
+    episode = Episode(assignment, ("crl.tasks", 0), 7, env=None, goal="reach the staircase down (>)",  # type: ignore[arg-type]
+                      observation="Map:\n.@>", experience="Walk east to the stairs.", history=["east", "(invalid)"])
+    prompt = actor_prompt(episode, history_turns=1, asks_left=0)
+    assert prompt == ("Task: MiniHack-Room-Random-5x5-v0. Goal: reach the staircase down (>)\n"
+                      "Experience: Walk east to the stairs.\nPrevious actions: (invalid)\nObservation:\nMap:\n.@>\n"
+                      "Action:")
+    assert "ask <question> (2 left)" in actor_prompt(episode, history_turns=0, asks_left=2)
+
+
+def test_rollout_commits_no_further_than_its_oldest_unfinished_episode():
+    rollout = Rollout.__new__(Rollout)  # only the bookkeeping is under test
+    from collections import deque
+
+    from pipeline.runtime.runner import Origin
+
+    assignment = train_assignments(_settings(), "run", PRODUCER, 0)[0]
+    rollout.player = EpisodePlayer.__new__(EpisodePlayer)
+    rollout.player.active = [Episode(assignment, ("crl.tasks", 1), 5, None, "g", "o")]  # type: ignore[arg-type]
+    rollout.queue = deque([(assignment, Origin("crl.tasks", 2, 9, 0, None))])
+    assert rollout.committable({("crl.tasks", 0): 4, ("crl.tasks", 1): 12, ("crl.tasks", 2): 10}) == {
+        ("crl.tasks", 0): 4, ("crl.tasks", 1): 5, ("crl.tasks", 2): 9}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_run_config_validates(path):
+    settings = Settings(config=path)
+    assert settings.config == path
+    assert settings.scheduler.tasks and settings.actor_trainer.group_size % 2 == 0
+    if path.name.startswith("paper-"):
+        assert settings.actor_trainer.group_size == 8 and settings.rollout.backend == "vllm"
+        assert settings.actor_trainer.lr == 1e-6 and settings.extractor_trainer.buffer_size == 64
+    else:
+        assert settings.actor_trainer.model.path is None  # the tiny preset
+
+
+def test_run_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Settings(config=tmp_path / "missing.yaml")
+    (tmp_path / "typo.yaml").write_text("schedular: {steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"unknown keys \['schedular'\]"):
+        Settings(config=tmp_path / "typo.yaml")
+    (tmp_path / "env.yaml").write_text("scheduler: {tasks: [{env_id: Pong}]}\n")
+    with pytest.raises(ValidationError, match="unknown env ids in scheduler.tasks: \\['Pong'\\]"):
+        Settings(config=tmp_path / "env.yaml")
+
+
+def test_environment_variables_override_the_run_config(monkeypatch):
+    monkeypatch.setenv("CRL_SCHEDULER__STEPS", "3")
+    settings = Settings(config=next(p for p in CONFIGS if p.name == "tiny-minihack-room.yaml"))
+    assert settings.scheduler.steps == 3 and settings.actor_trainer.group_size == 4

@@ -1,0 +1,258 @@
+"""`crl report` over two synthetic runs of different arms, archived by the real Archiver (no broker).
+
+The complementary run has every kind of data: train and eval episodes, served experiences, extractor generations
+of every parse status (one without a step), an op log with a rejected op, a merge and a capacity eviction, and both
+trainers' steps. The grpo run has free train episodes and actor steps only, so most of its panels are empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.audit.archive import archive_root
+from pipeline.audit.report import OP_KINDS, RunSummary, load_run, write_report
+from pipeline.cli import app
+from pipeline.runtime.harness import run_processor
+from schemas.arrays import EmbeddingVector
+from schemas.base import Event, Producer
+from schemas.experiences import (
+    ExperienceAdded,
+    ExperienceMerged,
+    ExperienceRefined,
+    ExperienceRetired,
+    VersionedExperience,
+)
+from schemas.extractions import ExtractionGenerated
+from schemas.runs import RunFinished, RunStarted
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
+from workers.archiver import Archiver
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = ["success.png", "actions.png", "bank.png", "extractor.png", "retrieval.png"]
+T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+FAMILY = "minihack-room"
+KEY = EmbeddingVector.from_array("all-MiniLM-L6-v2", [0.25, -0.5, 0.125, 1.0])
+WHO = Producer(worker="test", instance="test-0")
+_clock = iter(range(1_000_000))
+
+
+def common(run_id: str) -> dict:
+    return {"run_id": run_id, "producer": WHO, "occurred_at": T0 + timedelta(seconds=next(_clock))}
+
+
+def episode(run_id: str, step: int, split: str, slot: int, success: bool, actions: int, invalid: int = 0,
+            served: tuple[str, ...] = (), guided: bool | None = None) -> TrajectoryCompleted:
+    guided = bool(served) if guided is None else guided
+    return TrajectoryCompleted(
+        **common(run_id), trajectory_id=f"{run_id}-{split}-s{step}-k{slot}", assignment_event_id=f"a-{step}-{slot}",
+        step=step, split=split, env_id="MiniHack-Room-Random-5x5-v0", task_family=FAMILY, seed=step, slot=slot,
+        group_id=f"{split}-s{step}", guided=guided, goal="Reach the stairs.",
+        turns=(Turn(observation="A room.", prompt_token_ids=(1, 2), response_token_ids=(3,), sampling_logprobs=(-0.5,),
+                    response_text="south", action="south", valid=True, reward=float(success)),),
+        reward=float(success), success=success, num_actions=actions, invalid_actions=invalid, truncated=not success,
+        retrieved=tuple(ExperienceRef(experience_id=e, version=1, generation_id="gen-1") for e in served),
+        bank_offset=0 if served else None, policy_version=step, timings=Timings(generation_s=0, env_s=0,
+                                                                                retrieval_s=0),
+    )
+
+
+def generation(run_id: str, generation_id: str, step: int | None, status: str, ops: int = 0,
+               purpose: str = "distill") -> ExtractionGenerated:
+    return ExtractionGenerated(
+        **common(run_id), generation_id=generation_id, extractor_version=0, purpose=purpose, task_family=FAMILY,
+        step=step, prompt_token_ids=(1, 2), response_token_ids=(3,), sampling_logprobs=(-0.5,), response_text="x",
+        parse_status=status, parse_error="not JSON" if status == "parse_error" else None,
+        op_ids=tuple(f"{generation_id}:{i}" for i in range(ops)),
+    )
+
+
+def train_step(run_id: str, role: str, step: int, metrics: dict[str, float]) -> TrainStepCompleted:
+    return TrainStepCompleted(
+        **common(run_id), role=role, step=step, policy_version=step + 1, batch_event_ids=("e1",),
+        weight_hash_before=hashlib.sha256(f"{role}{step}".encode()).hexdigest(),
+        weight_hash_after=hashlib.sha256(f"{role}{step + 1}".encode()).hexdigest(), loss=0.0, tokens=1,
+        loss_variant="grpo" if role == "actor" else "cispo", aggregation="token-mean", metrics=metrics,
+    )
+
+
+def added(run_id: str, op_id: str, experience_id: str, generation_id: str) -> ExperienceAdded:
+    return ExperienceAdded(**common(run_id), op_id=op_id, experience_id=experience_id, task_family=FAMILY,
+                           text=f"Advice {experience_id}.", key=KEY, generation_id=generation_id,
+                           extractor_version=0, source_trajectory_ids=("t",))
+
+
+def refined(run_id: str, op_id: str, generation_id: str) -> ExperienceRefined:
+    return ExperienceRefined(**common(run_id), op_id=op_id, experience_id="exp-a", expected_version=1,
+                             text="Advice exp-a, refined.", generation_id=generation_id, extractor_version=0)
+
+
+def complementary_run(run_id: str = "comp-1") -> list[Event]:
+    return [
+        RunStarted(**common(run_id), config={"scheduler": {"arm": "complementary", "steps": 2}},
+                   code_version="abc123"),
+        # step 0: guided 1/2, free 1/2; solved with 4 and 2 actions; 2 invalid of 20
+        episode(run_id, 0, "train", 0, True, 4, served=("exp-a",)),
+        episode(run_id, 0, "train", 1, False, 6, invalid=2, guided=True),
+        episode(run_id, 0, "train", 2, True, 2),
+        episode(run_id, 0, "train", 3, False, 8),
+        # step 1: guided 2/2, free 1/2; solved with 3, 5 and 7 actions; 5 invalid of 20
+        episode(run_id, 1, "train", 0, True, 3, served=("exp-a",)),
+        episode(run_id, 1, "train", 1, True, 5, invalid=1, served=("exp-b", "exp-a")),
+        episode(run_id, 1, "train", 2, False, 5, invalid=4),
+        episode(run_id, 1, "train", 3, True, 7),
+        episode(run_id, 1, "eval", 0, True, 3, served=("exp-b",)),
+        episode(run_id, 1, "eval", 1, False, 9),
+        generation(run_id, "gen-0", None, "no_op"),  # written before generations had a step
+        generation(run_id, "gen-1", 0, "ok", ops=2),
+        generation(run_id, "gen-2", 1, "ok", ops=1),
+        generation(run_id, "gen-3", 1, "parse_error"),
+        generation(run_id, "gen-4", 1, "no_op"),
+        generation(run_id, "gen-5", 1, "ok", ops=1),
+        generation(run_id, "gen-6", 1, "ok", ops=1),
+        generation(run_id, "gen-m", 2, "ok", ops=1, purpose="merge"),
+        added(run_id, "gen-1:0", "exp-a", "gen-1"),          # offset 0, step 0
+        added(run_id, "gen-1:1", "exp-b", "gen-1"),          # offset 1, step 0
+        refined(run_id, "gen-2:0", "gen-2"),                 # offset 2, step 1: exp-a v2
+        refined(run_id, "gen-5:0", "gen-5"),                 # offset 3, step 1: stale (expects v1), rejected
+        added(run_id, "gen-6:0", "exp-c", "gen-6"),          # offset 4, step 1
+        ExperienceMerged(**common(run_id), op_id="gen-m:0", experience_id="exp-m", task_family=FAMILY,  # offset 5
+                         text="Merged advice.", key=KEY, generation_id="gen-m", extractor_version=0,
+                         sources=(VersionedExperience(experience_id="exp-a", expected_version=2),
+                                  VersionedExperience(experience_id="exp-b", expected_version=1))),
+        ExperienceRetired(**common(run_id), op_id="evict:exp-c", experience_id="exp-c", expected_version=1,
+                          reason="capacity"),            # offset 6: no generation, takes step 2 from the merge
+        train_step(run_id, "actor", 0, {"train/clip_fraction": 0.0, "rollout/reward_mean": 0.5}),
+        train_step(run_id, "actor", 1, {"train/clip_fraction": 0.5, "rollout/reward_mean": 0.75}),
+        train_step(run_id, "extractor", 0, {"train/clip_fraction": 0.5, "extractor/reward_mean": 0.25}),
+        train_step(run_id, "extractor", 1, {"train/clip_fraction": 0.125, "extractor/reward_mean": 0.75}),
+        RunFinished(**common(run_id), status="completed", steps_completed=2),
+    ]
+
+
+def grpo_run(run_id: str = "grpo-1") -> list[Event]:
+    return [
+        RunStarted(**common(run_id), config={"scheduler": {"arm": "grpo", "steps": 2}}, code_version="abc123"),
+        episode(run_id, 0, "train", 0, True, 3),
+        episode(run_id, 0, "train", 1, False, 5, invalid=1),
+        train_step(run_id, "actor", 0, {"train/clip_fraction": 0.25, "rollout/reward_mean": 0.5}),
+    ]
+
+
+def archived(run_dir, events):
+    run_processor(Archiver(archive_root(run_dir), flush_rows=4, flush_interval_s=3600), events)
+    return run_dir
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return archived(tmp_path / "comp", complementary_run()), archived(tmp_path / "grpo", grpo_run())
+
+
+def test_complementary_run_curves(runs):
+    curves = load_run(runs[0]).curves
+    assert curves.success == {"train guided": {0: 0.5, 1: 1.0}, "train free": {0: 0.5, 1: 0.5},
+                              "eval guided": {1: 1.0}, "eval free": {1: 0.0}}
+    assert curves.actions_per_solved == {0: 3.0, 1: 5.0}
+    assert curves.invalid_rate == {0: 0.1, 1: 0.25}
+    assert curves.served_fraction == {0: 0.5, 1: 1.0}
+    assert curves.distinct_served == {0: 1.0, 1: 2.0}
+    # Applied ops only (the stale refine is rejected); the eviction inherits step 2 from the merge before it.
+    assert curves.bank_size == {0: 2.0, 1: 3.0, 2: 1.0}
+    assert curves.ops == {"added": {0: 2.0, 1: 1.0, 2: 0.0}, "refined": {0: 0.0, 1: 1.0, 2: 0.0},
+                          "merged": {0: 0.0, 1: 0.0, 2: 1.0}, "retired": {0: 0.0, 1: 0.0, 2: 1.0}}
+    assert curves.extractor_reward == {0: 0.25, 1: 0.75}
+    assert curves.extractor_clip_fraction == {0: 0.5, 1: 0.125}
+    assert curves.parse_status == {"ok": {0: 1.0, 1: 3.0, 2: 1.0}, "no_op": {0: 0.0, 1: 1.0, 2: 0.0},
+                                   "parse_error": {0: 0.0, 1: 1.0, 2: 0.0}}
+
+
+def test_grpo_run_has_empty_bank_and_extractor_curves(runs):
+    curves = load_run(runs[1]).curves
+    assert curves.success == {"train guided": {}, "train free": {0: 0.5}, "eval guided": {}, "eval free": {}}
+    assert curves.actions_per_solved == {0: 3.0}
+    assert curves.invalid_rate == {0: 0.125}
+    assert curves.bank_size == {} and curves.ops == {kind: {} for kind in OP_KINDS}
+    assert curves.extractor_reward == {} and curves.extractor_clip_fraction == {}
+    assert curves.parse_status == {"ok": {}, "no_op": {}, "parse_error": {}}
+    assert curves.served_fraction == {} and curves.distinct_served == {}
+
+
+def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
+    out = tmp_path / "comparison"
+    report = write_report(list(runs), out)
+    assert report.html == out / "report.html"
+    assert [path.name for path in report.figures] == FIGURES
+    for path in report.figures:
+        assert path.parent == out
+        assert path.read_bytes().startswith(PNG_MAGIC)
+    page = report.html.read_text()
+    assert re.findall(r'<img src="([^"]+)"', page) == FIGURES
+    assert page.count("<tr>") == 3  # header + one row per run
+    for text in ("comp-1 (complementary)", "grpo-1 (grpo)", "<td>abc123</td>", "<td>62.5%</td>",
+                 "<td>5 / 2 / 1</td>", "<td>unfinished</td>"):
+        assert text in page
+    assert report.runs == (
+        RunSummary(run_dir=runs[0], run_id="comp-1", arm="complementary", code_version="abc123", status="completed",
+                   steps=2, eval_success_guided=1.0, eval_success_free=0.0, train_success=0.625, bank_size=1,
+                   extractions={"ok": 5, "no_op": 2, "parse_error": 1}, actor_train_steps=2,
+                   extractor_train_steps=2),
+        RunSummary(run_dir=runs[1], run_id="grpo-1", arm="grpo", code_version="abc123", status="unfinished",
+                   steps=1, eval_success_guided=None, eval_success_free=None, train_success=0.5, bank_size=0,
+                   extractions={"ok": 0, "no_op": 0, "parse_error": 0}, actor_train_steps=1,
+                   extractor_train_steps=0),
+    )
+
+
+def test_report_of_an_empty_run_dir_draws_empty_axes(tmp_path):
+    report = write_report([tmp_path])
+    assert report.html == tmp_path / "report" / "report.html"
+    assert all(path.read_bytes().startswith(PNG_MAGIC) for path in report.figures)
+    (summary,) = report.runs
+    assert (summary.run_id, summary.arm, summary.code_version, summary.status, summary.steps, summary.bank_size,
+            summary.train_success) == (tmp_path.name, "unknown", "unknown", "unfinished", 0, 0, None)
+
+
+def test_several_runs_need_an_output_directory(runs):
+    with pytest.raises(ValueError, match="--out"):
+        write_report(list(runs))
+
+
+# -- crl report -------------------------------------------------------------------------------------------------------
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["report", *args])
+
+
+def test_cli_writes_the_report_of_several_runs(runs, tmp_path):
+    out = tmp_path / "cli-out"
+    result = invoke(str(runs[0]), str(runs[1]), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert sorted(path.name for path in out.iterdir()) == sorted([*FIGURES, "report.html"])
+    assert ("comp-1 (complementary): completed, 2 steps, eval success guided 100.0% free 0.0%, train success "
+            "62.5%, bank 1, extractions ok/no_op/parse_error 5 / 2 / 1, train steps actor 2 extractor 2"
+            ) in result.output
+    assert "grpo-1 (grpo): unfinished, 1 steps, eval success guided - free -" in result.output
+    assert f"wrote {out / 'report.html'}" in result.output
+
+
+def test_cli_defaults_to_the_run_dirs_report_folder(runs):
+    result = invoke(str(runs[1]))
+    assert result.exit_code == 0, result.output
+    assert (runs[1] / "report" / "report.html").is_file()
+    assert all((runs[1] / "report" / name).read_bytes().startswith(PNG_MAGIC) for name in FIGURES)
+
+
+def test_cli_rejects_several_runs_without_out_and_a_missing_run_dir(runs, tmp_path):
+    several = invoke(str(runs[0]), str(runs[1]))
+    assert several.exit_code == 2
+    assert "--out" in several.output
+    missing = invoke(str(tmp_path / "nope"))
+    assert missing.exit_code == 2
+    assert "no run directory" in missing.output

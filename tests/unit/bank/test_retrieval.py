@@ -1,0 +1,381 @@
+"""Experience retrieval: exactness against brute force, diversification worked by hand, batching and caching under
+concurrent callers, empty families, lineage of what is served, and one end-to-end check with the real encoder.
+
+Most tests use `HashEncoder`, a deterministic stand-in for the sentence encoder that counts its calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from pipeline.bank.replica import LocalBank
+from pipeline.bank.retrieval import (
+    RetrievalSettings,
+    Retriever,
+    ServeRecord,
+    diversify,
+    query_text,
+)
+from pipeline.bank.synthetic import FAMILIES, embedding_like, synthetic_op_log
+from schemas.arrays import EmbeddingVector
+from schemas.base import Producer
+from schemas.experiences import ExperienceAdded, ExperienceRefined
+from schemas.trajectories import ExperienceRef
+
+WHO = Producer(worker="extractor", instance="extractor-0")
+MODEL = "all-MiniLM-L6-v2"
+OFF = {"diversity_lambda": 0.0, "recency_window_s": 0.0}
+"""Diversification off: the score is -rank alone."""
+
+
+class HashEncoder:
+    """Maps a text to a fixed embedding-like unit vector (seeded by its sha256); records every call."""
+
+    def __init__(self, dim: int = 384, delay_s: float = 0.0, fixed: dict[str, np.ndarray] | None = None) -> None:
+        self.dim = dim
+        self.delay_s = delay_s
+        self.fixed = fixed or {}
+        self.calls: list[list[str]] = []
+
+    def vector(self, text: str) -> np.ndarray:
+        if text in self.fixed:
+            vector = np.asarray(self.fixed[text], dtype=np.float32)
+            return vector / np.linalg.norm(vector)
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        return embedding_like(np.random.default_rng(seed), 1, self.dim)[0]
+
+    def encode(self, sentences: list[str], convert_to_numpy: bool = True,
+               normalize_embeddings: bool = False) -> np.ndarray:
+        self.calls.append(list(sentences))
+        if self.delay_s:
+            time.sleep(self.delay_s)  # lets concurrent callers queue up, as a real model's encode time does
+        return np.stack([self.vector(text) for text in sentences])
+
+
+class CountingBank(LocalBank):
+    """A LocalBank that records the number of query rows of every search."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.searches: list[int] = []
+
+    def search_candidates(self, queries, task_families, k):
+        self.searches.append(len(task_families))
+        return super().search_candidates(queries, task_families, k)
+
+
+def added(op_id: str, experience_id: str, vector, family: str = "room", text: str | None = None) -> ExperienceAdded:
+    key = EmbeddingVector.from_array(MODEL, np.asarray(vector))
+    return ExperienceAdded(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
+                           text=text or f"tip {experience_id}", key=key,
+                           generation_id=f"gen-{op_id}", extractor_version=0, source_trajectory_ids=(f"traj-{op_id}",))
+
+
+def bank_of(ops: list) -> CountingBank:
+    bank = CountingBank()
+    for offset, op in enumerate(ops):
+        bank.apply(op, offset)
+    return bank
+
+
+def brute_force(bank: LocalBank, query: np.ndarray, family: str, k: int) -> list[tuple[str, float]]:
+    """Cosine top-k in float64 over the family's active experiences."""
+    active = list(bank.state.active(family))
+    keys = np.stack([e.key.astype(np.float64) for e in active])
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    scores = keys @ (query.astype(np.float64) / np.linalg.norm(query))
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [(active[j].experience_id, float(scores[j])) for j in order]
+
+
+# ------------------------------------------------------------------------------------------------------- exactness
+
+
+def test_without_diversification_results_are_the_brute_force_top_k() -> None:
+    bank = bank_of(synthetic_op_log(600, seed=3))
+    encoder = HashEncoder()
+    k = 8
+    retriever = Retriever(bank, encoder, RetrievalSettings(top_k=k, oversample=1, **OFF))
+    queries = [(f"query {i}", FAMILIES[i % len(FAMILIES)]) for i in range(12)]
+    for _round in range(2):  # serving twice changes nothing while diversification is off
+        for (text, family), found in zip(queries, retriever.retrieve_many(queries), strict=True):
+            expected = brute_force(bank, encoder.vector(text), family, k)
+            assert [e.experience_id for e in found.experiences] == [i for i, _ in expected]
+            np.testing.assert_allclose([e.score for e in found.experiences], [s for _, s in expected], atol=1e-5)
+            assert [e.similarity_rank for e in found.experiences] == list(range(k))
+            assert found.bank_offset == bank.offset
+    one = retriever.retrieve(*queries[5])  # through the batcher: the same answer
+    assert [e.experience_id for e in one.experiences] == [i for i, _ in brute_force(
+        bank, encoder.vector(queries[5][0]), queries[5][1], k)]
+    retriever.close()
+
+
+def test_with_top_1_and_diversification_off_the_nearest_is_served_every_time() -> None:
+    bank = bank_of(synthetic_op_log(300, seed=4))
+    encoder = HashEncoder()
+    retriever = Retriever(bank, encoder, RetrievalSettings(top_k=1, oversample=16, **OFF))
+    nearest = brute_force(bank, encoder.vector("q"), "sokoban", 1)[0][0]
+    for found in retriever.retrieve_many([("q", "sokoban")] * 5):
+        assert [e.experience_id for e in found.experiences] == [nearest]
+    assert retriever.served(nearest).count == 5
+
+
+# ------------------------------------------------------------------------------------------------- diversification
+
+# Three experiences whose similarity to the query "q" = (1, 0, 0, 0) falls A > B > C.
+ABC = {"A": (1.0, 0.1, 0.0, 0.0), "B": (1.0, 0.5, 0.0, 0.0), "C": (1.0, 1.5, 0.0, 0.0)}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def abc_retriever(clock: FakeClock) -> Retriever:
+    bank = bank_of([added(f"op-{name}", name, vector) for name, vector in ABC.items()])
+    encoder = HashEncoder(dim=4, fixed={"q": np.array([1.0, 0.0, 0.0, 0.0])})
+    settings = RetrievalSettings(top_k=1, oversample=3, diversity_lambda=0.4, recency_window_s=300.0)
+    return Retriever(bank, encoder, settings, clock=clock)
+
+
+def serve_one(retriever: Retriever) -> tuple[str, float]:
+    (experience,) = retriever.retrieve_many([("q", "room")])[0].experiences
+    return experience.experience_id, experience.diversified_score
+
+
+def test_diversification_by_hand() -> None:
+    clock = FakeClock()
+    retriever = abc_retriever(clock)
+    assert serve_one(retriever) == ("A", 0.0)  # nothing served yet: s = -rank
+    clock.now += 1000  # A is no longer recent: s_A = -0.4 log 2 = -0.277 > s_B = -1
+    chosen, score = serve_one(retriever)
+    assert chosen == "A" and score == pytest.approx(-0.4 * math.log(2))
+    # A served twice, just now: s_A = -0.4 log 3 - 1 = -1.4394 < s_B = -1 (and s_C = -2).
+    chosen, score = serve_one(retriever)
+    assert (chosen, score) == ("B", -1.0)
+    assert retriever.served("A") == ServeRecord(count=2, last_served=2000.0)
+    clock.now += 301  # past the window: s_A = -0.4394 > s_B = -1 - 0.4 log 2 = -1.277
+    chosen, score = serve_one(retriever)
+    assert chosen == "A"
+    assert score == pytest.approx(-0.4 * math.log(3))
+    assert score == pytest.approx(-0.43944492, abs=1e-8)
+
+
+def test_identical_queries_in_one_batch_see_each_others_serves() -> None:
+    retriever = abc_retriever(FakeClock())
+    found = retriever.retrieve_many([("q", "room")] * 4)
+    # slot 1: A (0); slot 2: A = -0.4 log 2 - 1 = -1.277 < B = -1 -> B; slot 3: A -1.277 > C -2 > B -2.277 -> A;
+    # slot 4: A = -0.4 log 3 - 1 = -1.439 > C = -2 -> A.
+    assert [r.experiences[0].experience_id for r in found] == ["A", "B", "A", "A"]
+    np.testing.assert_allclose([r.experiences[0].diversified_score for r in found],
+                               [0.0, -1.0, -0.4 * math.log(2) - 1, -0.4 * math.log(3) - 1])
+    assert len(retriever.bank.searches) == 1 and retriever.bank.searches[0] == 1  # one row for the four
+
+
+def test_diversify_breaks_ties_by_similarity_rank() -> None:
+    bank = bank_of([added(f"op-{name}", name, vector) for name, vector in ABC.items()])
+    candidates = bank.search_candidates(np.array([[1.0, 0.0, 0.0, 0.0]]), ["room"], 3)[0][0]
+    settings = RetrievalSettings(top_k=3, oversample=1, diversity_lambda=0.0, recency_window_s=10.0)
+    served = {"A": ServeRecord(count=1, last_served=95.0)}  # A recent: s_A = -1 = s_B
+    ranked = diversify(candidates, served, now=100.0, settings=settings)
+    assert [(e.experience_id, e.similarity_rank, e.diversified_score) for e in ranked] == [
+        ("A", 0, -1.0), ("B", 1, -1.0), ("C", 2, -2.0)]
+
+
+# ------------------------------------------------------------------------------------------ batching and caching
+
+
+def test_concurrent_callers_are_batched_and_each_gets_its_own_result() -> None:
+    bank = bank_of(synthetic_op_log(800, seed=5))
+    encoder = HashEncoder(delay_s=0.005)
+    # A generous wait keeps the test independent of how fast 64 threads wake on a loaded machine; 64 callers
+    # fill exactly four batches, so no batch waits it out.
+    settings = RetrievalSettings(top_k=2, oversample=4, max_batch=16, max_wait_s=0.5, **OFF)
+    retriever = Retriever(bank, encoder, settings)
+    tasks = [(f"goal of task {t}", FAMILIES[t % len(FAMILIES)]) for t in range(16)]
+    callers = [tasks[c // 4] for c in range(64)]  # 4 guided slots per task share its query
+    expected = {task: [e.experience_id for e in found.experiences] for task, found in
+                zip(tasks, Retriever(bank, HashEncoder(), settings).retrieve_many(tasks), strict=True)}
+    bank.searches.clear()
+    results: list = [None] * 64
+    start = threading.Barrier(64)
+
+    def call(caller: int) -> None:
+        start.wait()
+        results[caller] = retriever.retrieve(*callers[caller])
+
+    threads = [threading.Thread(target=call, args=(c,)) for c in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    for caller, found in enumerate(results):
+        assert [e.experience_id for e in found.experiences] == expected[callers[caller]]
+        assert found.bank_offset == bank.offset
+    encoded = [text for call in encoder.calls for text in call]
+    assert all(len(set(call)) == len(call) for call in encoder.calls)  # deduplicated within a call
+    assert sorted(encoded) == sorted(text for text, _ in tasks)  # and never again from the cache
+    assert len(encoder.calls) <= 64 // 16 * 2
+    assert len(bank.searches) <= 64 // 16 * 2
+    assert all(rows <= 16 for rows in bank.searches)
+    metrics = retriever.metrics()
+    assert metrics["retrieval/queries"] == 64 and metrics["retrieval/batches"] == len(bank.searches)
+    assert metrics["retrieval/encoded_texts"] == 16
+    retriever.retrieve(*tasks[3])  # a repeated query text is not encoded again
+    assert len([text for call in encoder.calls for text in call]) == 16
+    retriever.close()
+
+
+def test_a_batch_waits_for_company_at_most_max_wait_and_not_at_all_once_full() -> None:
+    bank = bank_of(synthetic_op_log(30, seed=12))
+    with Retriever(bank, HashEncoder(), RetrievalSettings(max_wait_s=0.3)) as lone:
+        began = time.perf_counter()
+        lone.retrieve("q", "sokoban")
+        assert 0.29 <= time.perf_counter() - began < 3.0
+    with Retriever(bank, HashEncoder(), RetrievalSettings(max_batch=1, max_wait_s=30.0)) as full:
+        began = time.perf_counter()
+        full.retrieve("q", "sokoban")
+        assert time.perf_counter() - began < 3.0
+
+
+def test_the_cache_is_lru_and_bounded() -> None:
+    bank = bank_of(synthetic_op_log(50, seed=6))
+    encoder = HashEncoder()
+    retriever = Retriever(bank, encoder, RetrievalSettings(cache_size=2))
+    for text in ("a", "b", "a", "c", "b"):  # "c" evicts "b" (least recently used), so "b" is encoded again
+        retriever.retrieve_many([(text, "sokoban")])
+    assert encoder.calls == [["a"], ["b"], ["c"], ["b"]]
+    uncached = Retriever(bank, encoder := HashEncoder(), RetrievalSettings(cache_size=0))
+    uncached.retrieve_many([("a", "sokoban"), ("a", "minihack-room")])
+    uncached.retrieve_many([("a", "sokoban")])
+    assert encoder.calls == [["a"], ["a"]]
+
+
+def test_an_exception_reaches_every_caller_of_the_batch_and_the_batcher_survives() -> None:
+    class Failing(HashEncoder):
+        def encode(self, sentences, **kwargs):
+            if any("boom" in text for text in sentences):
+                raise RuntimeError("encoder failed")
+            return super().encode(sentences, **kwargs)
+
+    bank = bank_of(synthetic_op_log(50, seed=7))
+    encoder = Failing()
+    retriever = Retriever(bank, encoder, RetrievalSettings(max_batch=4, max_wait_s=0.5))
+    errors: list = [None] * 4
+
+    def call(caller: int) -> None:
+        try:
+            retriever.retrieve("boom" if caller == 0 else f"fine {caller}", "sokoban")
+        except RuntimeError as exc:
+            errors[caller] = exc
+
+    threads = [threading.Thread(target=call, args=(c,)) for c in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert [str(e) for e in errors] == ["encoder failed"] * 4  # the batch of 4 filled before the 0.5 s wait ended
+    assert retriever.retrieve("fine again", "sokoban").bank_offset == bank.offset
+    retriever.close()
+
+
+def test_close_stops_the_batcher_and_refuses_new_queries() -> None:
+    retriever = Retriever(bank_of(synthetic_op_log(20, seed=8)), HashEncoder())
+    assert retriever.retrieve("q", "sokoban").bank_offset == retriever.bank.offset
+    retriever.close()
+    retriever.close()
+    assert retriever._batcher is not None and not retriever._batcher.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        retriever.retrieve("q", "sokoban")
+
+
+# ------------------------------------------------------------------------------------------ families and lineage
+
+
+def test_a_family_without_experiences_gets_nothing_at_the_current_offset() -> None:
+    bank = bank_of(synthetic_op_log(100, seed=9))
+    retriever = Retriever(bank, HashEncoder())
+    empty, full = retriever.retrieve_many([("q", "nethack-unseen"), ("q", "sokoban")])
+    assert empty.experiences == () and empty.bank_offset == bank.offset
+    assert len(full.experiences) == 1
+    assert Retriever(CountingBank(), HashEncoder()).retrieve_many([("q", "sokoban")])[0].experiences == ()
+
+
+def test_served_experiences_come_only_from_the_query_family() -> None:
+    bank = bank_of(synthetic_op_log(400, seed=11))
+    retriever = Retriever(bank, HashEncoder(), RetrievalSettings(top_k=5))
+    for family in FAMILIES:
+        for found in retriever.retrieve_many([(f"q{i}", family) for i in range(5)]):
+            assert {bank.state.experiences[e.experience_id].task_family for e in found.experiences} == {family}
+
+
+def test_refs_carry_the_version_and_generation_that_wrote_the_served_text() -> None:
+    ops = [
+        added("op-1", "e1", (1.0, 0.0, 0.0, 0.0), text="keep to the walls"),
+        added("op-2", "e2", (0.0, 1.0, 0.0, 0.0), text="unrelated"),
+        ExperienceRefined(run_id="r", producer=WHO, op_id="op-3", experience_id="e1", expected_version=1,
+                          text="keep to the walls, then go down", generation_id="gen-refine", extractor_version=1),
+    ]
+    bank = bank_of(ops[:2])
+    retriever = Retriever(bank, HashEncoder(dim=4, fixed={"q": np.array([1.0, 0.0, 0.0, 0.0])}),
+                          RetrievalSettings(**OFF))
+    before = retriever.retrieve_many([("q", "room")])[0]
+    assert before.experiences[0].ref() == ExperienceRef(experience_id="e1", version=1, generation_id="gen-op-1")
+    bank.apply(ops[2], 2)
+    after = retriever.retrieve_many([("q", "room")])[0]
+    (served,) = after.experiences
+    assert served.ref() == ExperienceRef(experience_id="e1", version=2, generation_id="gen-refine")
+    assert served.text == "keep to the walls, then go down"
+    assert (before.bank_offset, after.bank_offset) == (2, 3)
+
+
+# --------------------------------------------------------------------------------------------- settings and query
+
+
+def test_settings_reject_bad_values_and_stay_frozen() -> None:
+    for bad in ({"top_k": 0}, {"max_batch": 0}, {"oversample": 0}, {"max_wait_s": -1.0},
+                {"diversity_lambda": -0.1}, {"recency_window_s": -1.0}, {"cache_size": -1}, {"topk": 1}):
+        with pytest.raises(ValidationError):
+            RetrievalSettings(**bad)
+    with pytest.raises(ValidationError):
+        RetrievalSettings().top_k = 2  # type: ignore[misc]
+
+
+def test_query_text_is_goal_then_first_observation() -> None:
+    assert query_text(" Reach the stairs. ", "You see a dark room.\n") == (
+        "Goal: Reach the stairs.\nObservation: You see a dark room.")
+
+
+# ---------------------------------------------------------------------------------------------- the real encoder
+
+
+def test_real_minilm_retrieves_the_experience_learnt_on_a_similar_start() -> None:
+    from pipeline.bank.embeddings import load_sentence_encoder
+
+    encoder = load_sentence_encoder(MODEL)
+    sources = {
+        "stairs": query_text("Reach the staircase down (>).", "A lit room; the staircase is two squares east."),
+        "key": query_text("Pick up the key and open the locked door.", "A key lies on the floor by a closed door."),
+        "boulder": query_text("Push every boulder onto a target.", "Boulders and targets in a small warehouse."),
+    }
+    keys = encoder.encode(list(sources.values()), convert_to_numpy=True, normalize_embeddings=True)
+    bank = bank_of([added(f"op-{name}", name, key, family="minihack") for name, key in zip(sources, keys, strict=True)])
+    retriever = Retriever(bank, encoder, RetrievalSettings(top_k=3, **OFF))
+    query = query_text("Go down the stairs (>).", "You are in a bright room, the stairs are to the east.")
+    found = retriever.retrieve(query, "minihack").experiences
+    retriever.close()
+    assert found[0].experience_id == "stairs"
+    vector = encoder.encode([query], convert_to_numpy=True, normalize_embeddings=True)[0]
+    expected = brute_force(bank, vector, "minihack", 3)
+    assert [e.experience_id for e in found] == [i for i, _ in expected]
+    np.testing.assert_allclose([e.score for e in found], [s for _, s in expected], atol=1e-5)

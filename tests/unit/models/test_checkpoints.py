@@ -1,0 +1,246 @@
+"""Checkpoints: a save/load round trip reproduces weights, sampling and log-probs exactly; the manifest's bytes are
+deterministic; tampering, missing files and wrong hashes raise `CheckpointError`; optimiser state resumes
+bit-identically.
+
+Run: pytest tests/unit/models/test_checkpoints.py -q   (CPU, ~10 s)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing may download
+
+import pytest
+import torch
+
+from pipeline.errors import CheckpointError
+from pipeline.models import (
+    SamplingParams,
+    TinyModelSettings,
+    TransformersPolicy,
+    build_tiny,
+    load_checkpoint,
+    load_optimizer_tensors,
+    manifest_sha256,
+    optimizer_tensors,
+    save_checkpoint,
+    tokenizer_corpus,
+    weight_hash,
+)
+from pipeline.models.checkpoints import MANIFEST
+
+SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, corpus_episodes=8)
+PROMPTS = ["Goal: reach the staircase down\nAction:", "Observation:\n|.@.|\n|..>|\nAction: north\nAction:"]
+MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return tokenizer_corpus(SMALL)
+
+
+@pytest.fixture(scope="module")
+def policy(corpus: list[str]) -> TransformersPolicy:
+    return build_tiny(SMALL, corpus=corpus)
+
+
+def _adamw(policy: TransformersPolicy) -> torch.optim.AdamW:
+    return torch.optim.AdamW(policy.model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def _train_step(policy: TransformersPolicy, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One deterministic update: raise the log-prob of a fixed sampled batch."""
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seed=seed)
+    policy.model.train()
+    optimizer.zero_grad(set_to_none=True)
+    logps = policy.token_logprobs([g.prompt_token_ids for g in generations], [g.token_ids for g in generations])
+    (-torch.cat(logps).mean()).backward()
+    optimizer.step()
+    policy.model.eval()
+
+
+# -- round trip ---------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_reproduces_weights_sampling_and_logprobs(policy: TransformersPolicy, tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy, metadata={"role": "actor", "version": 0})
+    assert info.path == tmp_path / "v0"
+    assert info.weight_hash == weight_hash(policy.model)
+    assert info.manifest_sha256 == manifest_sha256(info.path)
+    loaded = load_checkpoint(info.path, expected_sha256=info.manifest_sha256)
+    assert weight_hash(loaded.policy.model) == info.weight_hash
+    assert loaded.policy.model.lm_head.weight is loaded.policy.model.model.embed_tokens.weight
+    assert loaded.policy.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
+    assert loaded.manifest["metadata"] == {"role": "actor", "version": 0}
+    assert loaded.optimizer_tensors is None and loaded.optimizer_param_groups is None
+
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.9)
+    generations = policy.generate(PROMPTS, sampling, seed=21)
+    assert loaded.policy.generate(PROMPTS, sampling, seed=21) == generations
+    with torch.no_grad():
+        args = ([g.prompt_token_ids for g in generations], [g.token_ids for g in generations], 0.9)
+        for original, reloaded in zip(policy.token_logprobs(*args), loaded.policy.token_logprobs(*args), strict=True):
+            assert torch.equal(original, reloaded)
+
+
+def test_checkpoint_holds_only_safetensors_json_and_tokenizer_files(policy: TransformersPolicy,
+                                                                     tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy, optimizer=_adamw(policy))
+    names = {p.name for p in info.path.iterdir()}
+    assert names == MODEL_FILES | {"optimizer.safetensors"}  # no .bin / .pt / pickle
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0"]  # the staging directory is gone
+    manifest = json.loads((info.path / MANIFEST).read_text())
+    assert set(manifest) == {"format", "files", "weight_hash", "metadata", "optimizer_param_groups"}
+    assert manifest["format"] == 1
+    assert set(manifest["files"]) == names - {"manifest.json"}
+    assert list(manifest["files"]) == sorted(manifest["files"])
+    header_length = int.from_bytes((info.path / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((info.path / "model.safetensors").read_bytes()[8 : 8 + header_length])
+    assert "lm_head.weight" not in header and "model.embed_tokens.weight" in header  # the tied weight, once
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_both_loaders_restore_the_exact_tokenizer_and_weights(corpus: list[str], architecture: str,
+                                                              tmp_path: Path) -> None:
+    # AutoTokenizer alone would turn a qwen2 checkpoint's tokenizer into Qwen2Tokenizer (another pre-tokenizer
+    # regex, one more token): these loaders must not.
+    original = build_tiny(SMALL.model_copy(update={"architecture": architecture}), corpus=corpus)
+    info = save_checkpoint(tmp_path / "v0", original)
+    texts = [*PROMPTS, *corpus[:4], "café ✓  x . y", "12345 678"]
+    for reloaded in (load_checkpoint(info.path).policy, TransformersPolicy.from_pretrained(info.path)):
+        assert weight_hash(reloaded.model) == info.weight_hash
+        assert len(reloaded.tokenizer) == len(original.tokenizer) == reloaded.model.config.vocab_size
+        assert reloaded.tokenizer.get_vocab() == original.tokenizer.get_vocab()
+        assert [reloaded.encode(t) for t in texts] == [original.encode(t) for t in texts]
+        assert reloaded.eos_token_ids == original.eos_token_ids and reloaded.pad_token_id == original.pad_token_id
+
+
+def test_manifest_bytes_are_deterministic(policy: TransformersPolicy, corpus: list[str], tmp_path: Path) -> None:
+    first = save_checkpoint(tmp_path / "a", policy, metadata={"b": 2, "a": [1, 2]})
+    rebuilt = build_tiny(SMALL, corpus=corpus)
+    second = save_checkpoint(tmp_path / "b", rebuilt, metadata={"a": [1, 2], "b": 2})
+    assert first.manifest_sha256 == second.manifest_sha256
+    assert (first.path / MANIFEST).read_bytes() == (second.path / MANIFEST).read_bytes()
+    different = save_checkpoint(tmp_path / "c", policy, metadata={"a": [1, 2], "b": 3})
+    assert different.manifest_sha256 != first.manifest_sha256
+
+
+def test_saving_into_an_existing_directory(policy: TransformersPolicy, corpus: list[str], tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v1", policy, metadata={"step": 1})
+    assert save_checkpoint(tmp_path / "v1", policy, metadata={"step": 1}) == info  # same content: a no-op
+    other = build_tiny(SMALL.model_copy(update={"seed": 7}), corpus=corpus)
+    before = {p.name: p.read_bytes() for p in info.path.iterdir()}
+    with pytest.raises(CheckpointError, match="already holds a different checkpoint"):
+        save_checkpoint(tmp_path / "v1", other, metadata={"step": 1})
+    assert {p.name: p.read_bytes() for p in info.path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+
+
+# -- verification -------------------------------------------------------------------------------------------------
+
+
+def test_flipped_byte_in_the_weights_is_detected(policy: TransformersPolicy, tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy)
+    weights = info.path / "model.safetensors"
+    recorded = json.loads((info.path / MANIFEST).read_text())["files"]["model.safetensors"]
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors") as caught:
+        load_checkpoint(info.path, expected_sha256=info.manifest_sha256)
+    assert recorded in str(caught.value)
+
+
+def test_wrong_expected_sha256_is_detected(policy: TransformersPolicy, tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy)
+    with pytest.raises(CheckpointError, match=f"sha256 {info.manifest_sha256}, expected {'0' * 64}"):
+        load_checkpoint(info.path, expected_sha256="0" * 64)
+
+
+def test_missing_file_is_detected(policy: TransformersPolicy, tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy)
+    (info.path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json.*missing"):
+        load_checkpoint(info.path)
+    (info.path / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        load_checkpoint(info.path)
+
+
+def test_weights_that_differ_from_the_recorded_weight_hash_are_detected(policy: TransformersPolicy,
+                                                                         tmp_path: Path) -> None:
+    info = save_checkpoint(tmp_path / "v0", policy)
+    manifest = json.loads((info.path / MANIFEST).read_text())
+    manifest["weight_hash"] = "f" * 64  # every file hash still matches; only the loaded weights disagree
+    (info.path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"weight hash {info.weight_hash} after loading, manifest says f{{64}}"):
+        load_checkpoint(info.path)
+
+
+# -- optimiser state ----------------------------------------------------------------------------------------------
+
+
+def test_optimizer_tensors_flatten_the_state(policy: TransformersPolicy, corpus: list[str]) -> None:
+    trained = build_tiny(SMALL, corpus=corpus)
+    optimizer = _adamw(trained)
+    _train_step(trained, optimizer, seed=0)
+    tensors, groups = optimizer_tensors(optimizer)
+    count = len(list(trained.model.parameters()))
+    assert set(tensors) == {f"state.{i}.{key}" for i in range(count) for key in ("step", "exp_avg", "exp_avg_sq")}
+    assert tensors["state.0.step"].shape == () and float(tensors["state.0.step"]) == 1.0
+    assert json.loads(json.dumps(groups)) == groups
+    assert groups[0]["betas"] == [0.9, 0.99] and groups[0]["lr"] == 1e-2 and groups[0]["params"] == list(range(count))
+
+
+def test_python_scalar_state_becomes_a_lossless_0d_tensor(policy: TransformersPolicy) -> None:
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.1)
+    first = next(iter(policy.model.parameters()))
+    optimizer.state[first]["step"] = 0.1
+    optimizer.state[first]["count"] = 3
+    tensors, _ = optimizer_tensors(optimizer)
+    assert tensors["state.0.step"].dtype == torch.float64 and tensors["state.0.step"].item() == 0.1
+    assert tensors["state.0.count"].dtype == torch.int64 and tensors["state.0.count"].item() == 3
+
+
+def test_resumed_optimizer_steps_bit_identically(corpus: list[str], tmp_path: Path) -> None:
+    straight = build_tiny(SMALL, corpus=corpus)
+    straight_optimizer = _adamw(straight)
+    _train_step(straight, straight_optimizer, seed=0)
+    after_one = weight_hash(straight.model)
+    _train_step(straight, straight_optimizer, seed=1)
+    after_two = weight_hash(straight.model)
+    assert after_one != after_two
+
+    interrupted = build_tiny(SMALL, corpus=corpus)
+    optimizer = _adamw(interrupted)
+    _train_step(interrupted, optimizer, seed=0)
+    info = save_checkpoint(tmp_path / "v1", interrupted, optimizer=optimizer, metadata={"step": 1})
+    assert info.weight_hash == after_one
+
+    loaded = load_checkpoint(info.path, expected_sha256=info.manifest_sha256)
+    resumed = _adamw(loaded.policy)
+    assert loaded.optimizer_tensors is not None and loaded.optimizer_param_groups is not None
+    load_optimizer_tensors(resumed, loaded.optimizer_tensors, loaded.optimizer_param_groups)
+    assert resumed.param_groups[0]["betas"] == (0.9, 0.99)
+    _train_step(loaded.policy, resumed, seed=1)
+    assert weight_hash(loaded.policy.model) == after_two
+
+    # Without the saved moments the same step lands elsewhere: the state is what makes it identical.
+    fresh = load_checkpoint(info.path)
+    _train_step(fresh.policy, _adamw(fresh.policy), seed=1)
+    assert weight_hash(fresh.policy.model) != after_two
+
+
+def test_optimizer_state_for_other_parameters_is_rejected(policy: TransformersPolicy, corpus: list[str]) -> None:
+    trained = build_tiny(SMALL, corpus=corpus)
+    optimizer = _adamw(trained)
+    _train_step(trained, optimizer, seed=0)
+    tensors, groups = optimizer_tensors(optimizer)
+    two_groups = torch.optim.AdamW([{"params": [trained.model.model.norm.weight]},
+                                    {"params": [trained.model.lm_head.weight]}])
+    with pytest.raises(CheckpointError, match="does not fit this optimizer"):
+        load_optimizer_tensors(two_groups, tensors, groups)

@@ -1,0 +1,447 @@
+"""The policy models: the tiny preset's determinism, sampling (reproducible, batch-independent, stop rules), log-probs
+that agree between sampling and re-scoring, both architectures, and the vLLM adapter's missing-extra error.
+Checkpoints are in test_checkpoints.py.
+
+Run: pytest tests/unit/models/test_models.py -q   (CPU, ~15 s)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing may download
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from pipeline.errors import ConfigError
+from pipeline.models import (
+    Generation,
+    SamplingParams,
+    TinyModelSettings,
+    TransformersPolicy,
+    build_tiny,
+    tokenizer_corpus,
+    train_tokenizer,
+    weight_hash,
+)
+from pipeline.models.base import row_seed
+
+SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, corpus_episodes=8)
+PROMPTS = [
+    "Goal: reach the staircase down\nObservation:\n|.@.|\n|..>|\nAction:",
+    "Action:",
+    "Experience: walls block you; go around them.\n<answer>",
+    "Observation:\n-----\n|@..|\n-----\nMessage: It's solid stone.\nAction: north\nAction:",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return tokenizer_corpus(SMALL)
+
+
+@pytest.fixture(scope="module")
+def policy(corpus: list[str]) -> TransformersPolicy:
+    return build_tiny(SMALL, corpus=corpus)
+
+
+def _batch_logprobs(policy: TransformersPolicy, generations: list[Generation],
+                    temperature: float) -> list[torch.Tensor]:
+    return policy.token_logprobs([g.prompt_token_ids for g in generations], [g.token_ids for g in generations],
+                                 temperature)
+
+
+# -- the tiny preset ----------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_corpus_is_deterministic_and_seeded() -> None:
+    first, again = tokenizer_corpus(SMALL), tokenizer_corpus(SMALL)
+    assert first == again
+    assert len(first) > SMALL.corpus_episodes  # one text per episode, then the template lines
+    reseeded = tokenizer_corpus(SMALL.model_copy(update={"seed": 1}))
+    assert first[: SMALL.corpus_episodes] != reseeded[: SMALL.corpus_episodes]
+    episode = first[0]
+    assert episode.startswith("Environment: MiniHack-Room-Random-5x5-v0\nGoal: reach the staircase down\n"
+                              "Observation:\n")
+    assert "@" in episode and "Action: " in episode
+    assert "Experience:" in first and "SUCCESS" in first and "FAILURE" in first
+    assert any('{"op": "refine", "id": 1' in line for line in first)
+
+
+def test_same_settings_give_identical_weights_and_vocabulary(policy: TransformersPolicy, corpus: list[str]) -> None:
+    again = build_tiny(SMALL, corpus=corpus)
+    assert weight_hash(again.model) == weight_hash(policy.model)
+    assert again.tokenizer.get_vocab() == policy.tokenizer.get_vocab()
+    reseeded = build_tiny(SMALL.model_copy(update={"seed": 1}), corpus=corpus)
+    assert weight_hash(reseeded.model) != weight_hash(policy.model)
+
+
+def test_build_tiny_defaults_to_its_own_corpus_and_leaves_the_global_rng_alone(policy: TransformersPolicy) -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    built = build_tiny(SMALL)
+    assert torch.equal(torch.rand(4), expected)
+    assert weight_hash(built.model) == weight_hash(policy.model)
+
+
+def test_tiny_model_shape_and_special_tokens(policy: TransformersPolicy) -> None:
+    config = policy.model.config
+    assert type(policy.model).__name__ == "Qwen2ForCausalLM"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size) == (64, 2, 4, 2, 128)
+    assert config.vocab_size == len(policy.tokenizer) == 512
+    assert config.tie_word_embeddings and policy.model.lm_head.weight is policy.model.model.embed_tokens.weight
+    assert policy.model.dtype == torch.float32
+    assert (policy.tokenizer.pad_token, policy.tokenizer.pad_token_id) == ("<|pad|>", 0)
+    assert (policy.tokenizer.eos_token, policy.tokenizer.eos_token_id) == ("<|eos|>", 1)
+    assert policy.tokenizer.bos_token is None
+    assert (config.pad_token_id, config.eos_token_id) == (0, 1)
+
+
+@pytest.mark.parametrize("text", [
+    PROMPTS[0], PROMPTS[3], "a . b ,  c\n\n  d", 'café ✓ <answer>[{"op": "add", "text": "x"}]</answer>', "",
+])
+def test_tokenizer_round_trips_text(policy: TransformersPolicy, text: str) -> None:
+    ids = policy.encode(text)
+    assert all(i not in (0, 1) for i in ids)  # no special tokens added
+    assert policy.decode(ids) == text
+
+
+def test_tokenizer_merges_the_corpus_vocabulary(policy: TransformersPolicy) -> None:
+    # Frequent corpus words become single tokens; a word the corpus never saw falls back to pieces.
+    assert len(policy.encode("Action")) == 1
+    assert len(policy.encode("Observation")) == 1
+    assert len(policy.encode("Zyzzogeton")) > 1
+
+
+def test_tokenizer_saved_and_loaded_is_equal(policy: TransformersPolicy, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    policy.tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert loaded.get_vocab() == policy.tokenizer.get_vocab()
+    assert (loaded.pad_token_id, loaded.eos_token_id, loaded.bos_token_id) == (0, 1, None)
+    for text in PROMPTS:
+        assert loaded.encode(text, add_special_tokens=False) == policy.encode(text)
+
+
+def test_train_tokenizer_is_deterministic_and_bounded_by_vocab_size(corpus: list[str]) -> None:
+    first, again = train_tokenizer(corpus, 300), train_tokenizer(corpus, 300)
+    assert first.get_vocab() == again.get_vocab()
+    assert len(first) == 300
+    assert train_tokenizer(corpus, 400).get_vocab() != first.get_vocab()
+
+
+# -- sampling -----------------------------------------------------------------------------------------------------
+
+
+def test_same_seed_gives_identical_generations_and_another_seed_differs(policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=12)
+    first = policy.generate(PROMPTS, sampling, seed=5)
+    assert policy.generate(PROMPTS, sampling, seed=5) == first
+    other = policy.generate(PROMPTS, sampling, seed=6)
+    assert [g.token_ids for g in other] != [g.token_ids for g in first]
+
+
+def test_generation_fields_are_consistent(policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=12)
+    for prompt, generation in zip(PROMPTS, policy.generate(PROMPTS, sampling, seed=5), strict=True):
+        assert generation.prompt_token_ids == tuple(policy.encode(prompt))
+        assert 1 <= len(generation.token_ids) <= 12
+        assert len(generation.logprobs) == len(generation.token_ids)
+        assert all(lp <= 0.0 and lp > -100.0 for lp in generation.logprobs)
+        assert generation.text == policy.decode(generation.token_ids)
+        ended_by_eos = generation.token_ids[-1] in policy.eos_token_ids
+        assert generation.finish_reason == ("stop" if ended_by_eos else "length")
+        if generation.finish_reason == "length":
+            assert len(generation.token_ids) == 12
+
+
+def test_a_row_does_not_depend_on_the_rest_of_its_batch(policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=16)
+    alone = policy.generate(PROMPTS[:1], sampling, seed=9)[0]
+    batched = policy.generate(PROMPTS, sampling, seed=9)
+    assert batched[0].token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(batched[0].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    # Row 1 keeps its draws when row 0 changes, and across micro-batch boundaries.
+    swapped = policy.generate([PROMPTS[2], PROMPTS[1]], sampling, seed=9)
+    assert swapped[1].token_ids == batched[1].token_ids
+    one_per_batch = TransformersPolicy(policy.model, policy.tokenizer, micro_batch_size=1)
+    assert [g.token_ids for g in one_per_batch.generate(PROMPTS, sampling, seed=9)] == [g.token_ids for g in batched]
+
+
+def test_row_seeds_are_distinct_per_row_and_seed() -> None:
+    seeds = {row_seed(seed, row) for seed in range(50) for row in range(64)}
+    assert len(seeds) == 50 * 64
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert row_seed(2**70, 3) == (2**70 * 1_000_003 + 3) % 2**63
+
+
+def test_prompts_as_token_ids_equal_prompts_as_text(policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=8)
+    as_text = policy.generate(PROMPTS, sampling, seed=2)
+    as_ids = policy.generate([policy.encode(p) for p in PROMPTS], sampling, seed=2)
+    assert as_ids == as_text
+
+
+def test_greedy_is_deterministic_and_takes_the_argmax(policy: TransformersPolicy) -> None:
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    first = policy.generate(PROMPTS, greedy, seed=0)
+    assert [g.token_ids for g in policy.generate(PROMPTS, greedy, seed=999)] == [g.token_ids for g in first]
+    # Check the argmax by hand, one full forward pass per token, for the first prompt.
+    ids = list(first[0].prompt_token_ids)
+    with torch.no_grad():
+        for token, logprob in zip(first[0].token_ids, first[0].logprobs, strict=True):
+            logits = policy.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            assert token == int(logits.argmax())
+            assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]), abs=1e-5)
+            ids.append(token)
+
+
+def test_top_k_1_and_a_tiny_top_p_reduce_to_greedy_but_record_untruncated_logprobs(policy: TransformersPolicy) -> None:
+    greedy = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seed=0)
+    for sampling in (SamplingParams(max_new_tokens=8, top_k=1), SamplingParams(max_new_tokens=8, top_p=1e-6)):
+        restricted = policy.generate(PROMPTS, sampling, seed=3)
+        assert [g.token_ids for g in restricted] == [g.token_ids for g in greedy]
+        for r, g in zip(restricted, greedy, strict=True):
+            # Temperature 1 and the full distribution: the same values greedy records, not log(1) = 0.
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(g.logprobs), atol=1e-6, rtol=0)
+            assert max(r.logprobs) < -1.0
+
+
+def test_top_k_draws_only_among_the_k_most_likely(policy: TransformersPolicy) -> None:
+    prompt = policy.encode(PROMPTS[0])
+    with torch.no_grad():
+        logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    first_tokens = {policy.generate([prompt], SamplingParams(max_new_tokens=1, top_k=3), seed=s)[0].token_ids[0]
+                    for s in range(60)}
+    assert first_tokens <= top3
+    assert len(first_tokens) >= 2  # a near-uniform untrained model draws more than one of them
+
+
+def test_max_new_tokens_ends_rows_with_length(policy: TransformersPolicy) -> None:
+    for generation in policy.generate(PROMPTS, SamplingParams(max_new_tokens=3), seed=1):
+        assert len(generation.token_ids) == 3
+        assert generation.finish_reason == "length"
+
+
+def test_stop_string_keeps_tokens_through_the_one_that_completed_it(policy: TransformersPolicy) -> None:
+    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seed=0)[0]
+    assert len(full.token_ids) == 24
+    stop = policy.decode(full.token_ids[:10])[-2:]
+    assert stop.strip()
+    # The same seed draws the same tokens until the stop: the expected output is the shortest prefix holding it.
+    cut = next(n for n in range(1, 25) if stop in policy.decode(full.token_ids[:n]))
+    assert cut < len(full.token_ids)
+    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop=("never-there", stop)), seed=0)[0]
+    assert stopped.token_ids == full.token_ids[:cut]
+    assert stopped.logprobs == full.logprobs[:cut]
+    assert stopped.finish_reason == "stop"
+    assert stop in stopped.text and stop not in policy.decode(stopped.token_ids[:-1])
+
+
+def test_stop_token_id_ends_the_row_and_is_kept(policy: TransformersPolicy) -> None:
+    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seed=0)[0]
+    stop_id = full.token_ids[6]
+    cut = full.token_ids.index(stop_id) + 1
+    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop_token_ids=(stop_id,)), seed=0)[0]
+    assert stopped.token_ids == full.token_ids[:cut]
+    assert stopped.token_ids[-1] == stop_id
+    assert stopped.finish_reason == "stop"
+
+
+def test_eos_ends_the_row_is_kept_and_left_out_of_the_text(policy: TransformersPolicy) -> None:
+    eos = policy.tokenizer.eos_token_id
+    sampling = SamplingParams(max_new_tokens=24)
+    # An untrained model draws eos now and then: take the first seed whose row 0 does.
+    ended = next(g for s in range(50) if (g := policy.generate(PROMPTS[:1], sampling, seed=s)[0]).token_ids[-1] == eos)
+    assert len(ended.token_ids) < 24
+    assert ended.token_ids.count(eos) == 1
+    assert ended.finish_reason == "stop"
+    assert len(ended.logprobs) == len(ended.token_ids)
+    assert ended.text == policy.decode(ended.token_ids[:-1])
+    assert "<|eos|>" not in ended.text
+
+
+def test_finished_rows_stop_while_others_continue(policy: TransformersPolicy) -> None:
+    free = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seed=8)
+    stop_id = free[0].token_ids[1]
+    mixed = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=(stop_id,)), seed=8)
+    assert mixed[0].token_ids == free[0].token_ids[: free[0].token_ids.index(stop_id) + 1]
+    for row in range(1, len(PROMPTS)):
+        expected = free[row].token_ids
+        if stop_id in expected:
+            expected = expected[: expected.index(stop_id) + 1]
+        assert mixed[row].token_ids == expected
+
+
+def test_generate_restores_the_training_mode(policy: TransformersPolicy) -> None:
+    policy.model.train()
+    try:
+        policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seed=0)
+        assert policy.model.training
+    finally:
+        policy.model.eval()
+    policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seed=0)
+    assert not policy.model.training
+
+
+def test_empty_prompt_is_rejected(policy: TransformersPolicy) -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        policy.generate([""], SamplingParams(), seed=0)
+    assert policy.generate([], SamplingParams(), seed=0) == []
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_new_tokens": 0}, {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"stop": ("",)},
+    {"unknown": 1},
+])
+def test_sampling_params_reject_invalid_values(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_are_frozen() -> None:
+    sampling = SamplingParams()
+    with pytest.raises(ValidationError):
+        sampling.temperature = 0.5  # type: ignore[misc]
+    assert SamplingParams.model_fields["top_p"].description
+
+
+# -- re-scoring ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_new_tokens=14),
+    SamplingParams(max_new_tokens=14, temperature=0.7),
+    SamplingParams(max_new_tokens=14, temperature=0.7, top_p=0.9, top_k=40),
+], ids=["t1", "t0.7", "t0.7-top_p-top_k"])
+def test_token_logprobs_agree_with_the_sampling_logprobs(policy: TransformersPolicy, sampling: SamplingParams) -> None:
+    generations = policy.generate(PROMPTS, sampling, seed=11)
+    assert len({len(g.prompt_token_ids) for g in generations}) > 1  # the padding is exercised
+    with torch.no_grad():
+        scored = _batch_logprobs(policy, generations, sampling.temperature)
+    for generation, logps in zip(generations, scored, strict=True):
+        assert logps.dtype == torch.float32 and logps.shape == (len(generation.token_ids),)
+        torch.testing.assert_close(logps, torch.tensor(generation.logprobs), atol=1e-4, rtol=0)
+
+
+def test_token_logprobs_at_temperature_0_are_those_at_temperature_1(policy: TransformersPolicy) -> None:
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seed=0)
+    with torch.no_grad():
+        at_zero, at_one = _batch_logprobs(policy, generations, 0.0), _batch_logprobs(policy, generations, 1.0)
+    for generation, zero, one in zip(generations, at_zero, at_one, strict=True):
+        assert torch.equal(zero, one)
+        torch.testing.assert_close(zero, torch.tensor(generation.logprobs), atol=1e-4, rtol=0)
+
+
+def test_token_logprobs_do_not_depend_on_micro_batching(policy: TransformersPolicy) -> None:
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seed=12)
+    one_at_a_time = TransformersPolicy(policy.model, policy.tokenizer, micro_batch_size=1)
+    with torch.no_grad():
+        together = _batch_logprobs(policy, generations, 1.0)
+        apart = _batch_logprobs(one_at_a_time, generations, 1.0)
+    for a, b in zip(together, apart, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_of_an_empty_response_is_empty(policy: TransformersPolicy) -> None:
+    prompt = policy.encode(PROMPTS[1])
+    out = policy.token_logprobs([prompt, prompt], [[], policy.encode(" north")])
+    assert out[0].shape == (0,)
+    assert out[1].shape == (len(policy.encode(" north")),)
+    assert policy.token_logprobs([prompt], [[]])[0].shape == (0,)
+
+
+def test_gradient_flows_through_token_logprobs(policy: TransformersPolicy) -> None:
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seed=13)
+    policy.model.zero_grad(set_to_none=True)
+    logps = _batch_logprobs(policy, generations, 1.0)
+    assert all(lp.requires_grad for lp in logps)
+    torch.stack([lp.sum() for lp in logps]).sum().backward()
+    try:
+        for name, parameter in policy.model.named_parameters():
+            assert parameter.grad is not None, name
+            assert parameter.grad.abs().sum() > 0, name
+    finally:
+        policy.model.zero_grad(set_to_none=True)
+
+
+def test_token_logprobs_checks_its_inputs(policy: TransformersPolicy) -> None:
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        policy.token_logprobs([[5], [6]], [[7]])
+    with pytest.raises(ValueError, match="temperature"):
+        policy.token_logprobs([[5]], [[7]], temperature=-1.0)
+
+
+# -- architectures ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("architecture", "class_name"), [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])
+def test_both_architectures_build_generate_and_rescore(corpus: list[str], architecture: str, class_name: str) -> None:
+    settings = SMALL.model_copy(update={"architecture": architecture})
+    built = build_tiny(settings, corpus=corpus)
+    assert type(built.model).__name__ == class_name
+    assert weight_hash(build_tiny(settings, corpus=corpus).model) == weight_hash(built.model)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.8)
+    generations = built.generate(PROMPTS, sampling, seed=1)
+    assert built.generate(PROMPTS, sampling, seed=1) == generations
+    assert all(len(g.token_ids) >= 1 for g in generations)
+    with torch.no_grad():
+        for generation, logps in zip(generations, _batch_logprobs(built, generations, 0.8), strict=True):
+            torch.testing.assert_close(logps, torch.tensor(generation.logprobs), atol=1e-4, rtol=0)
+
+
+def test_llama_and_qwen2_presets_differ(corpus: list[str], policy: TransformersPolicy) -> None:
+    llama = build_tiny(SMALL.model_copy(update={"architecture": "llama"}), corpus=corpus)
+    assert weight_hash(llama.model) != weight_hash(policy.model)
+
+
+# -- the vLLM adapter ---------------------------------------------------------------------------------------------
+
+
+def test_vllm_policy_without_vllm_names_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.models.vllm_backend import VllmPolicy
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError, installed or not
+    with pytest.raises(ConfigError, match=r"gpu.*pip install 'complementary-rl\[gpu\]'") as caught:
+        VllmPolicy("/nonexistent")
+    assert isinstance(caught.value.__cause__, ImportError)
+
+
+def test_another_process_builds_the_same_preset_without_importing_vllm(policy: TransformersPolicy) -> None:
+    # A fresh interpreter has other hash seeds (Python and the Rust BPE trainer) and its own RNG state.
+    import subprocess
+
+    code = (
+        "import sys, pipeline.models as m\n"
+        f"p = m.build_tiny(m.TinyModelSettings.model_validate({SMALL.model_dump()!r}))\n"
+        "print(m.weight_hash(p.model), p.tokenizer.backend_tokenizer.to_str() == sys.stdin.read(),"
+        " 'pipeline.models.vllm_backend' in sys.modules, 'vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=policy.tokenizer.backend_tokenizer.to_str(),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [weight_hash(policy.model), "True", "False", "False"]
+
+
+def test_vllm_policy_samples_reproducibly_with_the_transformers_logprob_semantics(policy, tmp_path) -> None:
+    pytest.importorskip("vllm", reason="vllm is the optional 'gpu' extra (CUDA only); it is not installed here")
+    if not torch.cuda.is_available():
+        pytest.skip("vllm needs a CUDA device")
+    from pipeline.models.checkpoints import save_checkpoint
+    from pipeline.models.vllm_backend import VllmPolicy
+
+    info = save_checkpoint(tmp_path / "v0", policy)
+    served = VllmPolicy(str(info.path), seed=0, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512)
+    sampling = SamplingParams(max_new_tokens=8)
+    generations = served.generate(PROMPTS, sampling, seed=3)
+    assert served.generate(PROMPTS, sampling, seed=3) == generations
+    with torch.no_grad():
+        for generation, logps in zip(generations, _batch_logprobs(policy, generations, 1.0), strict=True):
+            torch.testing.assert_close(logps, torch.tensor(generation.logprobs), atol=1e-2, rtol=0)

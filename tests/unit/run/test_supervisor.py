@@ -1,0 +1,115 @@
+"""`crl run`'s pure parts: which workers an arm starts, what the live view counts, when a run has drained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from pipeline.actor.settings import SchedulerSettings
+from pipeline.errors import ConfigError
+from pipeline.run.plan import check_run_dir, worker_plan
+from pipeline.run.processes import last_metrics
+from pipeline.run.progress import RunProgress
+from pipeline.run.supervisor import RunSupervisor
+from pipeline.settings import LaunchSettings, Settings
+from schemas.arrays import EmbeddingVector
+from schemas.base import Producer
+from schemas.experiences import ExperienceAdded, ExperienceRefined
+
+PRODUCER = Producer(worker="extractor", instance="extractor-0")
+
+
+def _settings(tmp_path: Path, arm: str = "complementary", **launch: int) -> Settings:
+    return Settings(run_dir=tmp_path / "run", scheduler=SchedulerSettings(arm=arm),  # type: ignore[arg-type]
+                    launch=LaunchSettings(**launch))
+
+
+def test_every_arm_with_a_bank_starts_every_worker_kind_in_order(tmp_path):
+    plan = worker_plan(_settings(tmp_path, rollout_workers=2, extractor_workers=3))
+    assert plan == [("archiver", "archiver-0"), ("bank", "bank-0"), ("actor_trainer", "actor_trainer-0"),
+                    ("extractor_trainer", "extractor_trainer-0"), ("extractor", "extractor-0"),
+                    ("extractor", "extractor-1"), ("extractor", "extractor-2"), ("rollout", "rollout-0"),
+                    ("rollout", "rollout-1"), ("scheduler", "scheduler-0")]
+    for arm in ("static_extractor", "exp_only"):
+        assert [kind for kind, _ in worker_plan(_settings(tmp_path, arm))] == \
+            ["archiver", "bank", "actor_trainer", "extractor_trainer", "extractor", "rollout", "scheduler"]
+
+
+def test_the_grpo_arm_has_no_bank_and_no_extractor(tmp_path):
+    assert [kind for kind, _ in worker_plan(_settings(tmp_path, "grpo"))] == \
+        ["archiver", "actor_trainer", "rollout", "scheduler"]
+
+
+def _added(experience_id: str, offset_text: str = "lesson") -> ExperienceAdded:
+    return ExperienceAdded(run_id="r", producer=PRODUCER, op_id=f"{experience_id}-op", experience_id=experience_id,
+                           task_family="minihack-room", text=offset_text,
+                           key=EmbeddingVector.from_array("m", [1.0, 0.0]), generation_id="g",
+                           extractor_version=0, source_trajectory_ids=("t",))
+
+
+def test_the_live_view_applies_ops_with_the_banks_rules():
+    progress = RunProgress("r")
+    progress.add(_added("a"), 0)
+    progress.add(_added("b"), 1)
+    progress.add(ExperienceRefined(run_id="r", producer=PRODUCER, op_id="x", experience_id="a", expected_version=1,
+                                   text="better", generation_id="g2", extractor_version=0), 2)
+    stale = ExperienceRefined(run_id="r", producer=PRODUCER, op_id="y", experience_id="a", expected_version=1,
+                              text="stale", generation_id="g3", extractor_version=0)
+    progress.add(stale, 3)
+    progress.add(_added("other-run").model_copy(update={"run_id": "someone-else"}), 4)
+    assert progress.bank_size == 2
+    assert dict(progress.ops) == {"added": 2, "refined": 1, "rejected": 1}
+
+
+def test_last_metrics_reads_the_tail_of_a_worker_file(tmp_path):
+    path = tmp_path / "metrics" / "w-0.jsonl"
+    path.parent.mkdir()
+    assert last_metrics(tmp_path, "w-0") == []
+    path.write_text("".join(json.dumps({"t": i, "lag": {}}) + "\n" for i in range(5000)) + '{"t": 99')
+    assert [line["t"] for line in last_metrics(tmp_path, "w-0", 3)] == [4998, 4999]  # the partial line is skipped
+
+
+def test_a_run_is_drained_once_quiet_and_every_live_worker_reported_twice_without_lag(tmp_path):
+    settings = _settings(tmp_path, "grpo")
+    supervisor = RunSupervisor(settings, Path("c.yaml"), {}, Console(file=open("/dev/null", "w")))
+    sleepers = []
+    try:
+        for worker in supervisor.workers:
+            worker.process = subprocess.Popen(["sleep", "30"])
+            sleepers.append(worker.process)
+        supervisor.workers[-1].process.kill()  # the scheduler has exited: it does not count
+        supervisor.workers[-1].process.wait()
+        now = time.time()
+        supervisor.progress.last_record = now
+        assert not supervisor.drained(), "a record just arrived"
+        supervisor.progress.last_record = now - 10
+        metrics = settings.run_dir / "metrics"
+        metrics.mkdir(parents=True)
+        for worker in supervisor.workers[:-1]:
+            lines = [{"t": now - 5, "lag": {}}, {"t": now - 4, "lag": {}}]
+            (metrics / f"{worker.instance}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        assert supervisor.drained()
+        with (metrics / "rollout-0.jsonl").open("a") as handle:
+            handle.write(json.dumps({"t": now - 3, "lag": {"crl.tasks[0]": 2}}) + "\n")
+        assert not supervisor.drained(), "the rollout worker still has records to read"
+        (metrics / "archiver-0.jsonl").write_text(json.dumps({"t": now - 3, "lag": {}}) + "\n")
+        with (metrics / "rollout-0.jsonl").open("a") as handle:
+            handle.write(json.dumps({"t": now - 2, "lag": {}}) + "\n" + json.dumps({"t": now - 1, "lag": {}}) + "\n")
+        assert not supervisor.drained(), "the archiver reported only once since the last record"
+    finally:
+        for process in sleepers:
+            process.kill()
+            process.wait()
+
+
+def test_a_run_starts_in_an_empty_directory(tmp_path):
+    check_run_dir(tmp_path / "new")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "archive").mkdir()
+    with pytest.raises(ConfigError, match="not empty"):
+        check_run_dir(tmp_path / "used")
