@@ -253,10 +253,12 @@ class BankState:
                 yield experience
 
     def state_hash(self) -> str:
-        """sha256 over the canonical, id-sorted state: id, family, version, status, text, lineage, credit (generation,
-        extractor version, source trajectories), every version's text and op, and the key bytes.
+        """sha256 over the canonical, id-sorted content: id, family, version, status, text, lineage, credit
+        (generation, extractor version, source trajectories), every version's text and op, and the key bytes.
 
-        Independent of wall time, of the order ops arrived in beyond the log's own order, and of counters.
+        A content hash: log offsets are not in it (the history keeps them for audit), nor wall time or counters, so a
+        log with a re-published op (a producer retry lands it twice, the second a duplicate) hashes like the same log
+        without it.
         """
         digest = hashlib.sha256()
         digest.update(json.dumps({"key_model": self.key_model, "key_dim": self.key_dim}).encode())
@@ -267,7 +269,7 @@ class BankState:
                 experience.text, experience.merged_into, list(experience.parents), experience.retired_reason,
                 # Credit and lineage too: a replay must agree on who wrote what, not only on the current text.
                 experience.generation_id, experience.extractor_version, list(experience.source_trajectory_ids),
-                [[v.version, v.text, v.op_id, v.op_kind, v.op_offset, v.generation_id, v.extractor_version,
+                [[v.version, v.text, v.op_id, v.op_kind, v.generation_id, v.extractor_version,
                   list(v.source_trajectory_ids)] for v in experience.history],
             ]
             line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
