@@ -17,6 +17,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
+from infra.errors import ConfigError
 from schemas.topics import TOPICS, Topic
 
 TOPIC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -24,7 +25,7 @@ TOPIC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 for its broker."""
 
 
-class TopicMismatchError(RuntimeError):
+class TopicMismatchError(ConfigError):
     """A topic exists with another partition count than the registry declares."""
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -24,16 +25,14 @@ from typing import ClassVar, Self
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from infra.errors import BrokerError
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 # Resolved once here: a child between fork and exec may only make the call (loading a library there can deadlock
 # when other threads of the parent held the allocator's lock at the fork).
 _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-
-
-class BrokerError(RuntimeError):
-    """An embedded broker could not be found, installed, started or reached."""
 
 
 def free_loopback_port() -> int:
@@ -96,7 +95,7 @@ def resident_memory_bytes(pid: int) -> int | None:
     return None
 
 
-class BrokerProcess:
+class BrokerProcess(ABC):
     """A Kafka-protocol broker as a child process. `start()` returns once it answers metadata requests.
 
     Subclasses say what to run (`_command`), may prepare files first (`_prepare`), and set `kind` (the name users
@@ -121,8 +120,9 @@ class BrokerProcess:
     def _prepare(self) -> None:
         """Runs before every start (install, format storage, write configuration)."""
 
+    @abstractmethod
     def _command(self) -> list[str]:
-        raise NotImplementedError
+        """The command line of the broker process."""
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 

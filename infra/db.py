@@ -43,6 +43,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
+from infra.errors import ConfigError
+
 SQLITE_FILE_NAME = "crl.sqlite3"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -276,7 +278,7 @@ def migrate(engine: Engine) -> str:
         command.upgrade(alembic_config(connection), "head")
         revision = MigrationContext.configure(connection).get_current_revision()
     if revision is None:
-        raise RuntimeError(f"no migrations found under {MIGRATIONS_DIR}")
+        raise ConfigError(f"no migrations found under {MIGRATIONS_DIR}")
     return revision
 
 

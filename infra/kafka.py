@@ -16,6 +16,8 @@ from typing import Any, Literal
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from infra.errors import ConfigError
+
 
 class KafkaSettings(BaseModel):
     """How to reach the broker and how clients behave. Environment: `CRL_KAFKA__<FIELD>`."""
@@ -102,7 +104,7 @@ class KafkaSettings(BaseModel):
 
     def require_bootstrap(self) -> str:
         if not self.bootstrap_servers:
-            raise ValueError("no Kafka bootstrap servers configured")
+            raise ConfigError("no Kafka bootstrap servers configured")
         return self.bootstrap_servers
 
 

@@ -24,9 +24,10 @@ from types import TracebackType
 from typing import Any, Self
 
 from infra.broker_process import free_loopback_port
+from infra.errors import PipelineError
 
 
-class PostgresClusterError(RuntimeError):
+class PostgresClusterError(PipelineError):
     """The cluster's binaries are missing, or initdb / pg_ctl failed."""
 
 

@@ -1,32 +1,58 @@
-"""The project's error hierarchy. Errors become exit codes only at the CLI edge.
+"""The project's error hierarchy (rooted in `infra.errors`, re-exported here) and the pipeline's own kinds. Errors
+become exit codes only at the CLI edge (`pipeline.cli.common.EXIT_CODES`).
 
 - `RetryableError`: transient (a database briefly locked, a broker timeout); the runner retries with backoff.
 - `PoisonMessageError`: this input can never be processed; the runner writes a dead letter and moves on.
-- `ConfigError`: the settings or the environment are wrong; nothing starts.
-- `CheckpointError`: a model checkpoint is missing a file or does not match its manifest or published hash.
+- `ConfigError` (and `EnvUnavailableError`): the settings or the environment are wrong; nothing starts.
+- `HashMismatchError` (and `CheckpointError`): recorded and actual hashes differ; every `crl replay` mismatch is one.
+- `WorkerFailedError`: a worker gave up; its inputs stay uncommitted.
+- `RunFailedError`: `crl run` stopped because a worker kept crashing or the broker died.
+- `InvalidArgumentError`, `UnknownItemError`, `InvalidStateError`: a caller's mistake.
 """
 
+from infra.errors import (
+    BrokerError,
+    ConfigError,
+    HashMismatchError,
+    InvalidArgumentError,
+    InvalidStateError,
+    PipelineError,
+    PoisonMessageError,
+    RetryableError,
+    UnknownItemError,
+)
 
-class PipelineError(Exception):
-    """Base of every error this project raises on purpose."""
-
-
-class RetryableError(PipelineError):
-    """A transient failure: the same input may succeed if retried later."""
-
-
-class PoisonMessageError(PipelineError):
-    """The input itself is bad; retrying cannot help."""
-
-
-class ConfigError(PipelineError):
-    """Settings or environment are invalid or incomplete."""
+__all__ = [
+    "AuditQueryError", "BrokerError", "CheckpointError", "ConfigError", "EnvUnavailableError", "HashMismatchError",
+    "InvalidArgumentError", "InvalidStateError", "ParseError", "PipelineError", "PoisonMessageError",
+    "RetryableError", "RunFailedError", "SnapshotError", "UnknownItemError", "WorkerFailedError",
+]
 
 
 class WorkerFailedError(PipelineError):
     """A worker gave up (retries exhausted, outputs not acknowledged); its input offsets were not committed."""
 
 
-class CheckpointError(PipelineError):
+class CheckpointError(HashMismatchError):
     """A checkpoint on disk is incomplete, or its bytes differ from its manifest or from the hash it was published
     with; loading it would train or serve different weights than recorded."""
+
+
+class SnapshotError(HashMismatchError):
+    """A bank snapshot directory is incomplete, corrupt (its files or state differ from its manifest), or not one."""
+
+
+class EnvUnavailableError(ConfigError):
+    """An environment whose package, data or service is not on this machine; the message says how to get it."""
+
+
+class AuditQueryError(InvalidArgumentError):
+    """An audit query that is not a single read-only statement, or that DuckDB refuses."""
+
+
+class ParseError(InvalidArgumentError):
+    """An extractor answer that does not follow the format; recorded as `parse_error` with this message."""
+
+
+class RunFailedError(PipelineError):
+    """`crl run` stopped: a worker kept crashing, the broker died, or the log could not be read."""

@@ -26,6 +26,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from infra.db import make_engine, metadata
+from infra.errors import ConfigError
 
 config = context.config
 target_metadata = metadata
@@ -34,7 +35,7 @@ target_metadata = metadata
 def _cli_url() -> str:
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
-        raise RuntimeError("no database given: pass `-x url=SQLALCHEMY_URL` to alembic, or call infra.db.migrate()")
+        raise ConfigError("no database given: pass `-x url=SQLALCHEMY_URL` to alembic, or call infra.db.migrate()")
     return url
 
 

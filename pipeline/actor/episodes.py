@@ -24,6 +24,7 @@ from pipeline.actor.settings import RolloutSettings
 from pipeline.envs.base import TextEnv
 from pipeline.envs.registry import make_env
 from pipeline.envs.settings import EnvSettings
+from pipeline.errors import InvalidStateError
 from pipeline.models.base import PolicyModel, SamplingParams
 from pipeline.runtime.transport import Position
 from schemas.base import Producer
@@ -150,7 +151,7 @@ class EpisodePlayer:
         from pipeline.bank.retrieval import query_text
 
         if self.retriever is None:
-            raise RuntimeError("guided episodes need a retriever")
+            raise InvalidStateError("guided episodes need a retriever")
         started = time.perf_counter()
         found = self.retriever.retrieve_many([(query_text(e.goal, q), e.assignment.task_family)
                                               for e, q in zip(episodes, questions, strict=True)])
@@ -175,7 +176,7 @@ class EpisodePlayer:
     def play_turn(self) -> list[TrajectoryCompleted]:
         """One batched generation over every episode in flight; returns the episodes that finished."""
         if self.policy is None:
-            raise RuntimeError("no policy loaded")
+            raise InvalidStateError("no policy loaded")
         prompts = [actor_prompt(e, self.settings.history_turns, self.asks_left(e)) for e in self.active]
         started = time.perf_counter()
         generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31)

@@ -4,21 +4,28 @@
     crl replay bank runs/demo --from-kafka    # ops from crl.experience-ops, offset 0 to the end
 
 The replay (`pipeline.bank.replay`) applies every op to a fresh `BankState`, in log order, and takes the state hash at
-the offsets where the live bank recorded one: the SQL position (`bank_position`) and the newest snapshot. Equal hashes at equal offsets
-are the bank's reproducibility contract; any mismatch is reported and makes the command exit 1.
+the offsets where the live bank recorded one: the SQL position (`bank_position`) and the newest snapshot. Equal hashes
+at equal offsets are the bank's reproducibility contract; `BankReplayReport.check()` raises `HashMismatchError` on any
+mismatch (the command then exits 1).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kafka import TopicPartition
 
-from infra.kafka import KafkaSettings, make_consumer
+from infra.admin import topic_ids
+from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.audit.views import Audit
+from pipeline.bank.replay import Checkpoint, ReplayResult, replay
+from pipeline.bank.snapshots import restore_newest, snapshots_root
 from pipeline.bank.state import ExperienceOp
+from pipeline.bank.store import BankStore
+from pipeline.errors import ConfigError, HashMismatchError, RetryableError
 from schemas.codec import decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -72,7 +79,63 @@ def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterato
             if target is not None and position >= target:
                 return
             if time.monotonic() - last_progress > idle_timeout_s:
-                raise TimeoutError(f"no op records for {idle_timeout_s}s at offset {position} (high watermark {target})")
+                raise RetryableError(f"no op records for {idle_timeout_s}s at offset {position} (high watermark {target})")
     finally:
         consumer.close(autocommit=False)
 
+
+
+@dataclass
+class BankReplayReport:
+    """What `replay_bank` did: where the ops came from, the replay, and every recorded hash it was compared with."""
+
+    source: str
+    result: ReplayResult
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise `HashMismatchError` naming every mismatch, one per line (nothing when every hash matches)."""
+        if self.problems:
+            raise HashMismatchError("\n".join(self.problems))
+
+
+def replay_bank(run_dir: Path, store: BankStore, kafka: KafkaSettings | None = None,
+                log_id: str | None = None) -> BankReplayReport:
+    """Replay the op log of `run_dir` (from the archive, or from `kafka` when given) and compare it with the live SQL
+    bank in `store` and the newest snapshot."""
+    live = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
+    if kafka is not None:
+        admin = make_admin(kafka)
+        try:
+            chosen = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
+        finally:
+            admin.close()
+        ops = ops_from_kafka(kafka)
+        source = f"crl.experience-ops on Kafka (log {chosen})"
+    else:
+        logs = archived_logs(run_dir)
+        chosen = log_id or (live.log_id if live else None) or (logs[0][0] if logs else None)
+        if chosen is None:
+            raise ConfigError(f"the archive of {run_dir} holds no experience ops")
+        ops = ops_from_archive(run_dir, chosen)
+        source = f"the archive (log {chosen})"
+    checkpoints: list[Checkpoint] = []
+    problems: list[str] = []
+    notes: list[str] = []
+    if live is not None and live.log_id == chosen:
+        checkpoints.append(Checkpoint("live SQL bank", live.next_offset, live.state_hash))
+        try:
+            store.load_state()  # the stored rows themselves must hash to the recorded position
+        except HashMismatchError as exc:
+            problems.append(f"live SQL rows: {exc}")
+    elif live is not None:
+        notes.append(f"the live bank follows log {live.log_id}, not {chosen}: no comparison with it")
+    restored = restore_newest(snapshots_root(run_dir), chosen)  # verified: file sha256s and the state hash
+    if restored is not None:
+        snapshot, snapshot_state = restored
+        checkpoints.append(Checkpoint(f"snapshot {snapshot.name}", snapshot_state.next_offset,
+                                      snapshot_state.state_hash()))
+    result = replay(ops, checkpoints)
+    return BankReplayReport(source, result, checkpoints, problems + result.mismatches(checkpoints), notes)

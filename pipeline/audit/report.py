@@ -38,6 +38,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.audit.views import Audit
+from pipeline.errors import ConfigError, InvalidArgumentError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 Series = dict[int, float]
@@ -193,7 +194,7 @@ def _bank_curves(audit: Audit, last_step: int | None) -> tuple[Series, dict[str,
 def load_run(run_dir: Path) -> RunData:
     """Read everything the report shows about the run in `run_dir` from its archive."""
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"no run directory at {run_dir}")
+        raise ConfigError(f"no run directory at {run_dir}")
     with Audit(run_dir) as audit:
         run_id, arm, code_version, status = _run_identity(audit, run_dir)
         success: dict[str, Series] = {}
@@ -398,10 +399,10 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Repor
     `out_dir` defaults to `RUN_DIR/report` for one run and is required for several.
     """
     if not run_dirs:
-        raise ValueError("no run directories given")
+        raise InvalidArgumentError("no run directories given")
     if out_dir is None:
         if len(run_dirs) > 1:
-            raise ValueError("several runs need an output directory (--out)")
+            raise InvalidArgumentError("several runs need an output directory (--out)")
         out_dir = run_dirs[0] / "report"
     runs = [load_run(run_dir) for run_dir in run_dirs]
     out_dir.mkdir(parents=True, exist_ok=True)

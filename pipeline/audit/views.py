@@ -65,6 +65,7 @@ import pyarrow as pa
 
 from pipeline.audit.archive import ARCHIVE_SCHEMA, archive_root, segment_files
 from pipeline.bank.state import BankState, ExperienceOp
+from pipeline.errors import AuditQueryError
 from schemas.base import Event, snake_case
 from schemas.codec import decode
 from schemas.topics import EVENT_TYPES, EXPERIENCE_OPS_TOPIC
@@ -75,10 +76,6 @@ _ARROW_TO_SQL = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT"}
 _ENVELOPE_COLUMNS = (
     "event_id", "run_id", "occurred_at", "producer_worker", "producer_instance", "topic", "partition", "offset",
 )
-
-
-class AuditQueryError(ValueError):
-    """The statement is not allowed or DuckDB rejected it."""
 
 
 def sql_type(annotation: Any) -> str | None:

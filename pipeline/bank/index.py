@@ -44,6 +44,8 @@ import numpy as np
 import usearch
 from usearch.index import Index
 
+from pipeline.errors import InvalidArgumentError, UnknownItemError
+
 MANIFEST = "manifest.json"
 FORMAT = "crl.experience-index"
 FORMAT_VERSION = 1
@@ -151,15 +153,15 @@ def _unit_rows(vectors: np.ndarray, dim: int, what: str) -> np.ndarray:
     """`vectors` (N, dim) as float32 unit rows; a wrong width, a non-finite value or a zero row is a ValueError."""
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         width = vectors.shape[-1] if vectors.ndim else 0
-        raise ValueError(f"{what} has {width} dimensions (shape {vectors.shape}), but this index holds {dim}-d vectors")
+        raise InvalidArgumentError(f"{what} has {width} dimensions (shape {vectors.shape}), but this index holds {dim}-d vectors")
     if not np.issubdtype(vectors.dtype, np.floating):
-        raise ValueError(f"{what} must be floating point, not {vectors.dtype}")
+        raise InvalidArgumentError(f"{what} must be floating point, not {vectors.dtype}")
     wide = vectors.astype(np.float64)
     if not np.isfinite(wide).all():
-        raise ValueError(f"{what} holds NaN or infinite values")
+        raise InvalidArgumentError(f"{what} holds NaN or infinite values")
     norms = np.linalg.norm(wide, axis=1, keepdims=True)
     if (norms == 0).any():
-        raise ValueError(f"{what} holds a zero vector, which has no cosine similarity")
+        raise InvalidArgumentError(f"{what} holds a zero vector, which has no cosine similarity")
     return np.ascontiguousarray(wide / norms, dtype=np.float32)
 
 
@@ -203,14 +205,14 @@ class ExperienceIndex:
                                    ("connectivity", connectivity, 2), ("expansion_add", expansion_add, 1),
                                    ("expansion_search", expansion_search, 1)):
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+                raise InvalidArgumentError(f"{name} must be an integer >= {least}, got {value!r}")
         self.dim = int(dim)
         self.exact_threshold = int(exact_threshold)
         self.connectivity = int(connectivity)
         self.expansion_add = int(expansion_add)
         self.expansion_search = int(expansion_search)
         if graph_dtype not in GRAPH_DTYPES:
-            raise ValueError(f"graph_dtype must be one of {', '.join(GRAPH_DTYPES)}, got {graph_dtype!r}")
+            raise InvalidArgumentError(f"graph_dtype must be one of {', '.join(GRAPH_DTYPES)}, got {graph_dtype!r}")
         self.graph_dtype = graph_dtype
         self._families: dict[str, _Family] = {}
         self._family_of: dict[str, str] = {}
@@ -227,9 +229,9 @@ class ExperienceIndex:
         keys: dict[str, list[np.ndarray]] = {}
         for experience_id, task_family, key in items:
             if not isinstance(experience_id, str) or not isinstance(task_family, str):
-                raise TypeError("experience_id and task_family must be str")
+                raise InvalidArgumentError("experience_id and task_family must be str")
             if experience_id in index._family_of:
-                raise ValueError(f"experience {experience_id!r} is given twice")
+                raise InvalidArgumentError(f"experience {experience_id!r} is given twice")
             index._family_of[experience_id] = task_family
             ids.setdefault(task_family, []).append(experience_id)
             keys.setdefault(task_family, []).append(np.asarray(key))
@@ -237,7 +239,7 @@ class ExperienceIndex:
             # One normalisation per family: row by row it computes exactly what `add` computes for one vector.
             shapes = {vector.shape for vector in keys[task_family]}
             if len(shapes) != 1 or len(next(iter(shapes))) != 1:
-                raise ValueError(f"keys of {task_family!r} must all be ({dim},) vectors, got shapes {sorted(shapes)}")
+                raise InvalidArgumentError(f"keys of {task_family!r} must all be ({dim},) vectors, got shapes {sorted(shapes)}")
             vectors = _unit_rows(np.stack(keys[task_family]), index.dim, f"keys of {task_family!r}")
             family = index._families[task_family] = _Family(index.dim)
             family.extend(ids[task_family], vectors)
@@ -254,16 +256,16 @@ class ExperienceIndex:
     def remove(self, experience_id: str) -> None:
         """Forget `experience_id`; KeyError if it is not indexed."""
         if experience_id not in self._family_of:
-            raise KeyError(f"experience {experience_id!r} is not in the index")
+            raise UnknownItemError(f"experience {experience_id!r} is not in the index")
         self._settle(self._detach(experience_id))
 
     def _put(self, experience_id: str, task_family: str, key: np.ndarray) -> list[str]:
         """Store the vector without settling modes (so a replace at the threshold does not rebuild a graph)."""
         if not isinstance(experience_id, str) or not isinstance(task_family, str):
-            raise TypeError("experience_id and task_family must be str")
+            raise InvalidArgumentError("experience_id and task_family must be str")
         key = np.asarray(key)
         if key.ndim != 1:
-            raise ValueError(f"key of {experience_id!r} must be one ({self.dim},) vector, got shape {key.shape}")
+            raise InvalidArgumentError(f"key of {experience_id!r} must be one ({self.dim},) vector, got shape {key.shape}")
         vector = _unit_rows(key[None, :], self.dim, f"key of {experience_id!r}")
         touched = []
         if experience_id in self._family_of:
@@ -328,11 +330,11 @@ class ExperienceIndex:
         """
         queries = np.asarray(queries)
         if queries.ndim != 2:
-            raise ValueError(f"queries must be a (Q, {self.dim}) matrix, got shape {queries.shape}")
+            raise InvalidArgumentError(f"queries must be a (Q, {self.dim}) matrix, got shape {queries.shape}")
         if len(task_families) != queries.shape[0]:
-            raise ValueError(f"{queries.shape[0]} queries but {len(task_families)} task families")
+            raise InvalidArgumentError(f"{queries.shape[0]} queries but {len(task_families)} task families")
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+            raise InvalidArgumentError(f"k must be an integer >= 1, got {k!r}")
         if queries.shape[0] == 0:
             return []
         unit = _unit_rows(queries, self.dim, "queries")
@@ -404,7 +406,7 @@ class ExperienceIndex:
         key order) and, in HNSW mode, `family-NNNN.usearch`; then `manifest.json`. No clocks, no absolute paths."""
         directory = Path(directory)
         if not directory.is_dir():
-            raise FileNotFoundError(f"{directory} is not an existing directory")
+            raise InvalidArgumentError(f"{directory} is not an existing directory")
         families: dict[str, Any] = {}
         for number, (name, family) in enumerate(sorted(self._families.items())):
             stem = f"family-{number:04d}"
@@ -439,7 +441,7 @@ class ExperienceIndex:
         directory = Path(directory)
         manifest = json.loads((directory / MANIFEST).read_text())
         if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{directory} holds no {FORMAT} v{FORMAT_VERSION} manifest")
+            raise InvalidArgumentError(f"{directory} holds no {FORMAT} v{FORMAT_VERSION} manifest")
         hnsw = manifest["hnsw"]
         index = cls(manifest["dim"], manifest["exact_threshold"], connectivity=hnsw["connectivity"],
                     expansion_add=hnsw["expansion_add"], expansion_search=hnsw["expansion_search"],
@@ -448,12 +450,12 @@ class ExperienceIndex:
             vectors = np.load(directory / saved["vectors"], allow_pickle=False)
             entries = saved["entries"]
             if vectors.shape != (len(entries), index.dim) or vectors.dtype != np.float32:
-                raise ValueError(f"{directory / saved['vectors']}: {vectors.dtype} {vectors.shape}, expected "
+                raise InvalidArgumentError(f"{directory / saved['vectors']}: {vectors.dtype} {vectors.shape}, expected "
                                  f"float32 ({len(entries)}, {index.dim})")
             family = index._families[name] = _Family(index.dim)
             for (experience_id, key), vector in zip(entries, vectors, strict=True):
                 if key < family.next_key or experience_id in index._family_of:
-                    raise ValueError(f"{directory / MANIFEST}: entry {experience_id!r} -> {key} is out of order or "
+                    raise InvalidArgumentError(f"{directory / MANIFEST}: entry {experience_id!r} -> {key} is out of order or "
                                      "repeated")
                 family.next_key = key  # keys were handed out ascending; gaps are removed experiences
                 family.append(experience_id, vector)
@@ -463,7 +465,7 @@ class ExperienceIndex:
                 graph = index._new_graph()
                 graph.load(str(directory / saved["graph"]))
                 if len(graph) != family.active:
-                    raise ValueError(f"{directory / saved['graph']} holds {len(graph)} vectors, the manifest "
+                    raise InvalidArgumentError(f"{directory / saved['graph']} holds {len(graph)} vectors, the manifest "
                                      f"{family.active}")
                 family.graph = graph
         return index

@@ -32,6 +32,7 @@ from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
+from pipeline.errors import InvalidStateError
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -242,7 +243,7 @@ class BankReplica(LocalBank):
     def caught_up(self) -> bool:
         """True once every op up to the high watermark last seen is applied."""
         if self.failure is not None:
-            raise RuntimeError(f"the bank replica stopped: {self.failure}") from self.failure
+            raise InvalidStateError(f"the bank replica stopped: {self.failure}") from self.failure
         high = self._high_watermark
         return high is not None and max(self.offset, self._read_to) >= high
 
@@ -251,7 +252,7 @@ class BankReplica(LocalBank):
         deadline = time.monotonic() + timeout_s
         while max(self.offset, self._read_to) < offset:
             if self.failure is not None:
-                raise RuntimeError(f"the bank replica stopped: {self.failure}") from self.failure
+                raise InvalidStateError(f"the bank replica stopped: {self.failure}") from self.failure
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)

@@ -47,6 +47,7 @@ import numpy as np
 
 from pipeline.bank.replica import Candidate, LocalBank
 from pipeline.bank.settings import RetrievalSettings
+from pipeline.errors import InvalidArgumentError, InvalidStateError
 from schemas.trajectories import ExperienceRef
 
 
@@ -181,7 +182,7 @@ class Retriever:
         request = _Request(query, task_family, time.monotonic(), Future())
         with self._lifecycle:
             if self._closed:
-                raise RuntimeError("the retriever is closed")
+                raise InvalidStateError("the retriever is closed")
             if self._batcher is None:
                 self._batcher = threading.Thread(target=self._run_batcher, name="retrieval-batcher", daemon=True)
                 self._batcher.start()
@@ -265,7 +266,7 @@ class Retriever:
             encoded = np.asarray(self.encoder.encode(missing, convert_to_numpy=True, normalize_embeddings=True),
                                  dtype=np.float32)
             if encoded.ndim != 2 or encoded.shape[0] != len(missing):
-                raise ValueError(f"the encoder returned shape {encoded.shape} for {len(missing)} texts")
+                raise InvalidArgumentError(f"the encoder returned shape {encoded.shape} for {len(missing)} texts")
             with self._cache_lock:
                 for text, vector in zip(missing, encoded, strict=True):
                     found[text] = vector

@@ -21,13 +21,10 @@ from pathlib import Path
 
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.state import BankState
+from pipeline.errors import SnapshotError
 from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
 
 log = logging.getLogger(__name__)
-
-
-class SnapshotError(ValueError):
-    """A snapshot directory is incomplete, corrupt, or not a snapshot."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline.errors import HashMismatchError, InvalidArgumentError
 from schemas.arrays import EmbeddingVector
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 
@@ -302,7 +303,7 @@ class BankState:
     def from_snapshot(cls, snapshot: dict[str, Any]) -> BankState:
         """Restore a state written by `to_snapshot`; raises ValueError if its recorded hash does not match."""
         if snapshot.get("format") != 1:
-            raise ValueError(f"unknown bank snapshot format {snapshot.get('format')!r}")
+            raise InvalidArgumentError(f"unknown bank snapshot format {snapshot.get('format')!r}")
         state = cls()
         state.next_offset = snapshot["next_offset"]
         state.applied = snapshot["counts"]["applied"]
@@ -322,7 +323,7 @@ class BankState:
             record["source_trajectory_ids"] = tuple(record["source_trajectory_ids"])
             state.experiences[record["experience_id"]] = Experience(key=key, **record)
         if state.state_hash() != snapshot["state_hash"]:
-            raise ValueError("bank snapshot is corrupt: its state does not match its recorded hash")
+            raise HashMismatchError("bank snapshot is corrupt: its state does not match its recorded hash")
         return state
 
     def summary(self) -> dict[str, object]:

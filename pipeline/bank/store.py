@@ -47,6 +47,7 @@ from infra.db import (
     extractor_batches,
 )
 from pipeline.bank.state import BankState, Experience, ExperienceVersion
+from pipeline.errors import ConfigError, HashMismatchError, InvalidArgumentError, UnknownItemError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
@@ -113,7 +114,7 @@ class BankStore:
     def __init__(self, engine: Engine) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise ValueError(f"BankStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise ConfigError(f"BankStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
         self.engine = engine
         insert = _INSERTS[dialect]
 
@@ -159,7 +160,7 @@ class BankStore:
         ids = sorted(set(changed))
         unknown = [experience_id for experience_id in ids if experience_id not in state.experiences]
         if unknown:
-            raise KeyError(f"the bank state has no experience {', '.join(unknown)}; nothing was saved")
+            raise UnknownItemError(f"the bank state has no experience {', '.join(unknown)}; nothing was saved")
         rows = [self._experience_row(state, state.experiences[experience_id]) for experience_id in ids]
         position_row = {
             "topic": position.topic, "partition": position.partition, "next_offset": position.next_offset,
@@ -354,11 +355,11 @@ class BankStore:
         state = BankState()
         key_spaces = sorted({(row["key_model"], row["key_dim"]) for row in rows})
         if len(key_spaces) > 1:
-            raise ValueError(f"the stored bank mixes key spaces {key_spaces}; a bank's keys come from one model")
+            raise InvalidArgumentError(f"the stored bank mixes key spaces {key_spaces}; a bank's keys come from one model")
         if key_spaces:
             state.key_model, state.key_dim = key_spaces[0]
             if key_model is not None and key_model != state.key_model:
-                raise ValueError(f"the stored bank's keys come from {state.key_model} ({state.key_dim}-d), "
+                raise InvalidArgumentError(f"the stored bank's keys come from {state.key_model} ({state.key_dim}-d), "
                                  f"not from {key_model}")
 
         histories: dict[str, list[ExperienceVersion]] = {}
@@ -376,7 +377,7 @@ class BankStore:
             state.next_offset = position.next_offset
             state.applied, state.duplicates, state.rejected = position.applied, position.duplicates, position.rejected
             if state.state_hash() != position.state_hash:
-                raise ValueError(
+                raise HashMismatchError(
                     f"the stored bank does not match its position: its rows hash to {state.state_hash()}, but the "
                     f"position at offset {position.next_offset} records {position.state_hash}; rebuild it from the "
                     "op log (`crl replay bank`)"

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from pipeline.cli import audit, bank, doctor, envs, replay, report, run, stack, topics, worker
 from pipeline.cli import config as config_commands
-from pipeline.cli.common import LogLevel, State, configure_logging, errors
+from pipeline.cli.common import LogLevel, State, configure_logging, errors, with_exit_codes
 from pipeline.errors import ConfigError
 from pipeline.settings import Settings
 
@@ -42,6 +42,9 @@ app.command("worker")(worker.worker)
 app.command("run")(run.run)
 app.command("doctor")(doctor.doctor)
 app.command("report")(report.report)
+for _typer in (app, *(group.typer_instance for group in app.registered_groups)):
+    for _command in _typer.registered_commands:  # type: ignore[union-attr]
+        _command.callback = with_exit_codes(_command.callback)  # type: ignore[arg-type]
 
 
 @app.callback()

@@ -53,7 +53,8 @@ def audit_sql(
 ) -> None:
     """Run one read-only SQL statement over the run's archive. Views: events, one per event kind, trajectories,
     train_steps, policy_versions and the experience views."""
-    from pipeline.audit.views import EXPERIENCE_VIEWS, RUN_VIEWS, Audit, AuditQueryError
+    from pipeline.audit.views import EXPERIENCE_VIEWS, RUN_VIEWS, Audit
+    from pipeline.errors import AuditQueryError
 
     with _open_audit(run_dir) as audit:
         try:
@@ -72,13 +73,8 @@ def audit_events(
     output: FormatOption = "table",
 ) -> None:
     """Print archived events in time order (envelope, coordinates, start of the payload)."""
-    from pipeline.audit.views import AuditQueryError
-
     with _open_audit(run_dir) as audit:
-        try:
-            columns, rows = audit.recent_events(kind, limit)
-        except AuditQueryError as exc:
-            raise fail(str(exc)) from exc
+        columns, rows = audit.recent_events(kind, limit)
     _print_rows(columns, rows, output)
 
 

@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from kafka.errors import KafkaError
+from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
-from pipeline.errors import ConfigError
+from infra.kafka import KafkaSettings
+from pipeline.errors import ConfigError, HashMismatchError, PipelineError
 from pipeline.runtime.context import resolve_kafka
 from pipeline.settings import Settings
 
@@ -61,8 +67,52 @@ def current_settings(run_dir: Path | None = None) -> Settings:
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    errors.print(f"[red]error:[/red] {message}")
+    """Print `message` as an error and return the `typer.Exit` to raise (for usage errors a command finds itself)."""
+    errors.print(f"[red]error:[/red] {escape(message)}", highlight=False)
     return typer.Exit(code)
+
+
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (ConfigError, 2),
+    (ValidationError, 2),
+    (PipelineError, 1),
+    (KafkaError, 1),
+)
+"""How an error that reaches the CLI ends the command, first match wins: 2 for bad settings or environment (usage),
+1 for a failed run, check, replay or query. The one place errors become exit codes."""
+
+
+def _report(exc: BaseException) -> None:
+    if isinstance(exc, ValidationError):
+        errors.print("[red]invalid settings:[/red]")
+        for item in exc.errors(include_url=False):
+            field = "CRL_" + "__".join(str(part) for part in item["loc"]).upper()
+            errors.print(f"  {field}: {item['msg']}")
+    elif isinstance(exc, HashMismatchError):
+        for line in str(exc).splitlines():
+            errors.print(f"[red]mismatch:[/red] {escape(line)}", highlight=False)
+    elif isinstance(exc, ConfigError):
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+    elif isinstance(exc, KafkaError):
+        errors.print(f"[red]error:[/red] Kafka failed: {type(exc).__name__}: {escape(str(exc))} (is the broker "
+                     "running? `crl doctor` checks)", highlight=False)
+    else:
+        errors.print(f"[red]error:[/red] {type(exc).__name__}: {escape(str(exc))}", highlight=False)
+
+
+def with_exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command`, with the errors of `EXIT_CODES` printed and turned into their exit codes."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except tuple(kind for kind, _ in EXIT_CODES) as exc:
+            _report(exc)
+            code = next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
+            raise typer.Exit(code) from exc
+
+    return run
 
 
 class LogLevel(str, Enum):
@@ -72,21 +122,12 @@ class LogLevel(str, Enum):
     error = "error"
 
 
-def kafka_of(settings: Settings) -> Any:
-    try:
-        return resolve_kafka(settings)
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from exc
+def kafka_of(settings: Settings) -> KafkaSettings:
+    return resolve_kafka(settings)
 
 
 def admin_of(run_dir: Path | None, make_admin: Any) -> Any:
-    from kafka.errors import KafkaError
-
-    kafka = kafka_of(current_settings(run_dir))
-    try:
-        return make_admin(kafka)
-    except KafkaError as exc:
-        raise fail(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc}") from exc
+    return make_admin(kafka_of(current_settings(run_dir)))
 
 
 class BrokerChoice(str, Enum):

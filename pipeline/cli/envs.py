@@ -10,9 +10,7 @@ from rich.table import Table
 from pipeline.cli.common import (
     console,
     current_settings,
-    fail,
 )
-from pipeline.errors import ConfigError
 
 envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 
@@ -38,10 +36,7 @@ def envs_show(
     """Reset an environment from a seed, play the given actions, and print what the agent sees at each turn."""
     from pipeline.envs.registry import make_env
 
-    try:
-        env = make_env(env_id, current_settings().envs)
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from exc
+    env = make_env(env_id, current_settings().envs)
     try:
         goal, observation = env.reset(seed)
         console.print(f"[bold]Goal:[/bold] {goal}", markup=True)

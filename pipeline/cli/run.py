@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from pipeline.cli.common import (
     BrokerOption,
@@ -16,9 +15,7 @@ from pipeline.cli.common import (
     State,
     configure_logging,
     console,
-    fail,
 )
-from pipeline.errors import ConfigError
 from pipeline.settings import Settings
 
 
@@ -38,11 +35,9 @@ def run(
     broker_kind: BrokerOption = None,
 ) -> None:
     """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
-    from kafka.errors import KafkaError
 
-    from infra.broker import BrokerError
     from pipeline.run.plan import check_run_dir, default_run_dir
-    from pipeline.run.supervisor import RunFailed, RunSupervisor
+    from pipeline.run.supervisor import RunSupervisor
 
     overrides = {}
     if steps is not None:
@@ -55,22 +50,14 @@ def run(
                              else default_run_dir(config))
     os.environ.update(overrides)  # this is the settings edge: the workers get the same overrides
     os.environ["CRL_RUN_DIR"] = str(chosen_dir)
-    try:
-        settings = Settings(config=config)
-        check_run_dir(settings.run_dir)
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from exc
-    except ValidationError as exc:
-        raise fail(f"invalid settings: {exc}", 2) from exc
+    settings = Settings(config=config)
+    check_run_dir(settings.run_dir)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(State.log_level, settings.run_dir / "logs" / "crl-run.log")
     console.print(f"run {settings.resolved_run_id}: arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
                   f"{', '.join(t.env_id for t in settings.scheduler.tasks)}; run dir {settings.run_dir}")
     supervisor = RunSupervisor(settings, config, overrides, console)
-    try:
-        progress = supervisor.run()
-    except (RunFailed, BrokerError, KafkaError) as exc:
-        raise fail(f"run failed: {exc}") from exc
+    progress = supervisor.run()
     finished = progress.finished
     status = finished.status if finished is not None else "interrupted"
     console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,

@@ -29,17 +29,14 @@ def stack_up(
 ) -> None:
     """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
     from infra.admin import create_topics
-    from infra.broker import BrokerError, embedded_broker, remove_broker_file, write_broker_file
+    from infra.broker import embedded_broker, remove_broker_file, write_broker_file
     from infra.kafka import make_admin
 
     settings = with_broker(current_settings(run_dir), broker_kind)
-    try:
-        broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
-                                 log_path=settings.run_dir / "logs" / "broker.log", port=port)
-        with errors.status(f"starting {broker.description}"):
-            broker.start()
-    except BrokerError as exc:
-        raise fail(str(exc)) from exc
+    broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
+                             log_path=settings.run_dir / "logs" / "broker.log", port=port)
+    with errors.status(f"starting {broker.description}"):
+        broker.start()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

@@ -16,8 +16,6 @@ from pipeline.cli.common import (
     errors,
     fail,
 )
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.runtime.context import resolve_kafka
 
 
 def worker(
@@ -32,31 +30,18 @@ def worker(
     from pipeline.runtime.runner import Limits
 
     settings = current_settings(run_dir)
-    try:
-        registry = load_worker_registry()
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from exc
+    registry = load_worker_registry()
     if name not in registry:
         raise fail(f"unknown worker {name!r}; known workers: {', '.join(sorted(registry))}", 2)
     instance = instance or default_instance(name)
     configure_logging(State.log_level, settings.run_dir / "logs" / f"{instance}.log")
-    from kafka.errors import KafkaError
-
-    try:
-        runner = build_runner(registry[name], settings, instance=instance,
-                              limits=Limits(max_events=max_events, timeout_s=timeout))
-        runner.install_signal_handlers()
-        with errors.status(f"{name}: starting") as status:
-            runner.on_progress = lambda m: status.update(
-                f"{name} ({instance}): in {m.events_in}  out {m.events_out}  dead letters {m.dead_letters}"
-                f"  retries {m.retries}  commits {m.commits}  lag {sum(m.lag.values())}"
-            )
-            metrics = runner.run()
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from exc
-    except PipelineError as exc:
-        raise fail(f"{type(exc).__name__}: {exc}") from exc
-    except KafkaError as exc:
-        raise fail(f"Kafka at {resolve_kafka(settings).bootstrap_servers} failed: {type(exc).__name__}: {exc}"
-                    " (is the broker running? `crl doctor` checks)") from exc
+    runner = build_runner(registry[name], settings, instance=instance,
+                          limits=Limits(max_events=max_events, timeout_s=timeout))
+    runner.install_signal_handlers()
+    with errors.status(f"{name}: starting") as status:
+        runner.on_progress = lambda m: status.update(
+            f"{name} ({instance}): in {m.events_in}  out {m.events_out}  dead letters {m.dead_letters}"
+            f"  retries {m.retries}  commits {m.commits}  lag {sum(m.lag.values())}"
+        )
+        metrics = runner.run()
     console.print(f"{name} stopped ({runner.stop_reason or 'finished'}): {json.dumps(metrics.snapshot())}")

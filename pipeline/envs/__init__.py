@@ -8,8 +8,9 @@
 - `registry`: `ENV_SPECS`, `make_env`, `task_pool`, `draw_tasks`.
 """
 
-from pipeline.envs.base import EnvUnavailableError, StepInfo, StepOutcome, TextEnv, parse_action
+from pipeline.envs.base import StepInfo, StepOutcome, TextEnv, parse_action
 from pipeline.envs.registry import ENV_SPECS, EnvSpec, draw_tasks, env_spec, make_env, task_pool
+from pipeline.errors import EnvUnavailableError
 
 __all__ = [
     "ENV_SPECS", "EnvSpec", "EnvUnavailableError", "StepInfo", "StepOutcome", "TextEnv", "draw_tasks", "env_spec",

@@ -20,15 +20,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidArgumentError, InvalidStateError
 
 InvalidActionRule = Literal["skip", "end"]
 """What happens when a response names no available action: `skip` — the turn is used up, the environment is not
 stepped, and the next observation says the action was invalid; `end` — the episode ends as a failure."""
-
-
-class EnvUnavailableError(ConfigError):
-    """An environment's package, data or service is missing here; the message names what and how to get it."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +139,7 @@ class TextEnv(ABC):
 
     def reset(self, seed: int) -> tuple[str, str]:
         if seed < 0:
-            raise ValueError(f"seeds are non-negative, got {seed}")
+            raise InvalidArgumentError(f"seeds are non-negative, got {seed}")
         self.goal, self.observation = self._reset(seed)
         self.turns = 0
         self.done = False
@@ -151,7 +147,7 @@ class TextEnv(ABC):
 
     def step(self, action_text: str) -> StepOutcome:
         if self.done:
-            raise RuntimeError(f"{self.env_id}: step() after the episode ended; call reset() first")
+            raise InvalidStateError(f"{self.env_id}: step() after the episode ended; call reset() first")
         self.turns += 1
         out_of_turns = self.turns >= self.max_turns
         action = parse_action(action_text, self.available_actions())

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.envs.base import ActResult, EnvUnavailableError, InvalidActionRule, TextEnv
+from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
+from pipeline.errors import EnvUnavailableError
 
 ALFWORLD_HINT = ("pip install 'alfworld[full]' && alfworld-download (game files, ~2 GB), then point "
                  "CRL_ENVS__ALFWORLD_DATA at the download directory")

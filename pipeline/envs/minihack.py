@@ -22,7 +22,8 @@ import random
 
 import numpy as np
 
-from pipeline.envs.base import ActResult, EnvUnavailableError, InvalidActionRule, TextEnv
+from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
+from pipeline.errors import EnvUnavailableError
 
 NLE_TASK_SUCCESSFUL = 2
 NLE_STEP_LIMIT = -1

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
+from pipeline.errors import InvalidArgumentError
 
 SIZE = 6
 BOXES = 2
@@ -113,7 +114,7 @@ def generate_room(seed: int, *, reverse_moves: int = 40, min_solution: int = 4, 
         solution = solve(frozen_walls, targets, start_boxes, player)
         if solution is not None and len(solution) >= min_solution:
             return Room(frozen_walls, targets, start_boxes, player, solution)
-    raise RuntimeError(f"no solvable Sokoban room for seed {seed} after {attempts} attempts")
+    raise InvalidArgumentError(f"no solvable Sokoban room for seed {seed} after {attempts} attempts")
 
 
 def render_room(walls: frozenset[Cell], targets: frozenset[Cell], boxes: frozenset[Cell], player: Cell) -> str:

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from pipeline.errors import ParseError
 from schemas.trajectories import TrajectoryCompleted
 
 T = TypeVar("T")
@@ -41,10 +42,6 @@ ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_STOP = "</answer>"
 DISTILL_INSTRUCTION = "Lessons as ops, at most {max_ops}, in <answer>[...]</answer>:"
 MERGE_INSTRUCTION = "Consolidate as ops (keep, merge, rewrite, discard) in <answer>[...]</answer>:"
-
-
-class ParseError(ValueError):
-    """The extractor's answer broke the format; the message says how."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from urllib.request import url2pathname
 
 import torch
 
-from pipeline.errors import CheckpointError
+from pipeline.errors import CheckpointError, InvalidArgumentError
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
 from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
 
@@ -210,7 +210,7 @@ def save_checkpoint(
         try:
             manifest_bytes = _manifest_bytes(manifest)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"checkpoint metadata and optimizer param groups must be JSON-able: {exc}") from exc
+            raise InvalidArgumentError(f"checkpoint metadata and optimizer param groups must be JSON-able: {exc}") from exc
         (staging / MANIFEST).write_bytes(manifest_bytes)
         for path in staging.iterdir():
             fsync_file(path)

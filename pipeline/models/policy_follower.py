@@ -19,7 +19,7 @@ import time
 from kafka import TopicPartition
 
 from infra.kafka import KafkaSettings, make_consumer
-from pipeline.errors import CheckpointError
+from pipeline.errors import CheckpointError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import PolicyModel
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
 from schemas.base import Role
@@ -44,7 +44,7 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
         if (actual := manifest_sha256(path)) != event.sha256:
             raise CheckpointError(f"{path}: manifest sha256 {actual}, the event says {event.sha256}")
         return VllmPolicy(str(path), seed=seed)
-    raise ValueError(f"unknown backend {backend!r}; valid values: transformers, vllm")
+    raise InvalidArgumentError(f"unknown backend {backend!r}; valid values: transformers, vllm")
 
 
 class PolicyFollower:
@@ -75,7 +75,7 @@ class PolicyFollower:
 
     def newest(self) -> PolicyPublished | None:
         if self.failure is not None:
-            raise RuntimeError(f"the policy follower stopped: {self.failure}") from self.failure
+            raise InvalidStateError(f"the policy follower stopped: {self.failure}") from self.failure
         with self._lock:
             return self._newest
 

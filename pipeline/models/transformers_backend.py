@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class TransformersPolicy(PolicyModel):
         micro_batch_size: int = 8,
     ) -> None:
         if micro_batch_size <= 0:
-            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+            raise InvalidArgumentError(f"micro_batch_size must be positive, got {micro_batch_size}")
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
@@ -119,7 +119,7 @@ class TransformersPolicy(PolicyModel):
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
-            raise ValueError("a prompt must have at least one token to condition on")
+            raise InvalidArgumentError("a prompt must have at least one token to condition on")
         return ids
 
     def _generator(self, seed: int) -> torch.Generator:
@@ -224,9 +224,9 @@ class TransformersPolicy(PolicyModel):
         temperature: float = 1.0,
     ) -> list[torch.Tensor]:
         if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+            raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+            raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
         scale = temperature if temperature > 0 else 1.0  # greedy samples record log-probs at temperature 1
         result: list[torch.Tensor] = []
         for start in range(0, len(prompt_ids), self.micro_batch_size):
@@ -239,7 +239,7 @@ class TransformersPolicy(PolicyModel):
         self, prompts: list[list[int]], responses: list[list[int]], temperature: float
     ) -> list[torch.Tensor]:
         if any(not p for p in prompts):
-            raise ValueError("a prompt must have at least one token to condition on")
+            raise InvalidArgumentError("a prompt must have at least one token to condition on")
         batch = len(prompts)
         prompt_width = max(len(p) for p in prompts)
         response_width = max(len(r) for r in responses)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
 from pipeline.models.transformers_backend import load_tokenizer
 
@@ -89,7 +89,7 @@ class VllmPolicy(PolicyModel):
         """Scores through vLLM's prompt log-probs (no grad). Those are computed from the raw logits, so only
         temperature 1 (or 0, which means 1) is supported; training uses `TransformersPolicy.token_logprobs`."""
         if temperature not in (0.0, 1.0):
-            raise ValueError(f"the vllm backend scores at temperature 1 only (got {temperature}); use the "
+            raise InvalidArgumentError(f"the vllm backend scores at temperature 1 only (got {temperature}); use the "
                              "transformers backend for tempered log-probs")
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         sequences = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompt_ids, response_ids, strict=True)]

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from pipeline.errors import InvalidArgumentError
+
 ADVANTAGE_NORMS = ("mean_std", "mean")
 """`mean_std`: (r - mean_c) / (std_c + eps), the paper's formula. `mean`: r - mean_c, what the reference code runs."""
 
@@ -19,7 +21,7 @@ ADVANTAGE_NORMS = ("mean_std", "mean")
 def check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
     """Raise `ValueError` naming the valid values when `value` is not one of them."""
     if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid values: {', '.join(valid)}")
+        raise InvalidArgumentError(f"unknown {name} {value!r}; valid values: {', '.join(valid)}")
 
 
 def subgroup_advantages(

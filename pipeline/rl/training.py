@@ -32,7 +32,7 @@ from kafka import TopicPartition
 
 from infra.admin import high_watermarks
 from infra.kafka import KafkaSettings, make_consumer
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RetryableError
 from pipeline.models.checkpoints import (
     CheckpointInfo,
     load_checkpoint,
@@ -246,7 +246,7 @@ def read_to_end(kafka: KafkaSettings, topic: Topic, idle_timeout_s: float = 10.0
                     except Exception as exc:  # noqa: BLE001 - someone else's poison record
                         log.debug("skipping undecodable %s[%d]@%d: %s", tp.topic, tp.partition, record.offset, exc)
             if time.monotonic() - last_progress > idle_timeout_s:
-                raise TimeoutError(f"reading {topic.name}: no records for {idle_timeout_s}s before {ends}")
+                raise RetryableError(f"reading {topic.name}: no records for {idle_timeout_s}s before {ends}")
         return events
     finally:
         consumer.close(autocommit=False)

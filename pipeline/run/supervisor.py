@@ -44,6 +44,7 @@ from rich.console import Group
 from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
 from infra.kafka import make_admin, make_producer
+from pipeline.errors import RunFailedError
 from pipeline.run.plan import STOP_ORDER, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
@@ -56,10 +57,6 @@ from schemas.topics import CONTROL
 
 QUIET_S = 3.0
 """A drained run has published nothing for at least this long."""
-
-
-class RunFailed(RuntimeError):
-    """A worker kept crashing, or the broker died."""
 
 
 class RunSupervisor:
@@ -83,7 +80,7 @@ class RunSupervisor:
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
     def run(self) -> RunProgress:
-        """Run to the end (or to a stop); returns what happened. Raises `RunFailed`."""
+        """Run to the end (or to a stop); returns what happened. Raises `RunFailedError`."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_broker()
@@ -176,9 +173,9 @@ class RunSupervisor:
             while True:
                 time.sleep(interval)
                 if self.follower is not None and self.follower.failure is not None:
-                    raise RunFailed(f"reading the log failed: {self.follower.failure}")
+                    raise RunFailedError(f"reading the log failed: {self.follower.failure}")
                 if self.broker is not None and not self.broker.is_running():
-                    raise RunFailed(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
+                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
                 if self.interrupts == 1 and not self.stop_sent:
                     self._request_stop("interrupted (Ctrl-C)")
                 if self.interrupts >= 2:
@@ -225,7 +222,7 @@ class RunSupervisor:
             if worker.restarts >= self.settings.launch.max_restarts:
                 if not self.stop_sent:
                     self._request_stop(f"{worker.instance} crashed {worker.restarts + 1} times")
-                raise RunFailed(f"{worker.instance} exited with code {code} after {worker.restarts} restarts; "
+                raise RunFailedError(f"{worker.instance} exited with code {code} after {worker.restarts} restarts; "
                                 f"see {self.run_dir / 'logs' / (worker.instance + '.log')} and .out")
             worker.restarts += 1
             self.console.print(f"[yellow]{worker.instance} exited with code {code}; restart {worker.restarts} of "

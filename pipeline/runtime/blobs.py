@@ -10,6 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from pipeline.errors import HashMismatchError, InvalidArgumentError
 from pipeline.runtime.durable import fsync_directory, fsync_file
 
 
@@ -32,9 +33,9 @@ class BlobStore:
 
     def get(self, uri: str) -> bytes:
         if not uri.startswith("file://"):
-            raise ValueError(f"not a blob-store URI: {uri}")
+            raise InvalidArgumentError(f"not a blob-store URI: {uri}")
         path = Path(uri.removeprefix("file://"))
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != path.name:
-            raise ValueError(f"blob {path} does not match its sha256 name")
+            raise HashMismatchError(f"blob {path} does not match its sha256 name")
         return data

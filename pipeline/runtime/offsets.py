@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from infra.db import consumer_offsets
+from pipeline.errors import ConfigError, InvalidArgumentError
 
 TopicPartition = tuple[str, int]
 """A Kafka partition as (topic name, partition number)."""
@@ -45,7 +46,7 @@ class SqlOffsetStore:
     def __init__(self, engine: Engine, worker: str) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise ValueError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise ConfigError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
         self.engine = engine
         self.worker = worker
         self._insert = _INSERTS[dialect]
@@ -69,7 +70,7 @@ class SqlOffsetStore:
         """
         for (topic, partition), (next_offset, _log_id) in positions.items():
             if next_offset < 0:
-                raise ValueError(f"topic {topic!r} partition {partition}: next offset must be >= 0, got {next_offset}")
+                raise InvalidArgumentError(f"topic {topic!r} partition {partition}: next offset must be >= 0, got {next_offset}")
         if not positions:
             return
         updated_at = datetime.now(UTC)
@@ -107,7 +108,7 @@ class SqlOffsetStore:
             )
         ).scalar_one()
         # Raising inside engine.begin() rolls back the positions this save already wrote.
-        raise ValueError(
+        raise InvalidArgumentError(
             f"worker {self.worker!r}, topic {topic!r} partition {partition}: stored next offset is {stored}, "
             f"refusing to move it backwards to {next_offset}"
         )

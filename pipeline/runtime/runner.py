@@ -31,7 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pipeline.errors import ConfigError, PoisonMessageError, RetryableError, WorkerFailedError
+from pipeline.errors import (
+    ConfigError,
+    InvalidStateError,
+    PipelineError,
+    PoisonMessageError,
+    RetryableError,
+    WorkerFailedError,
+)
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.settings import RunnerSettings
 from pipeline.runtime.transport import InputLog, OffsetStore, OutputLog, Position, Record
@@ -447,7 +454,7 @@ class SourceIO:
         """Decoded input events (poison records are dead-lettered on the way). Positions advance as you iterate."""
         runner = self._runner
         if runner.input_log is None:
-            raise RuntimeError(f"{runner.worker.name} declares no inputs to poll")
+            raise InvalidStateError(f"{runner.worker.name} declares no inputs to poll")
         for record in runner.input_log.poll(runner.settings.poll_timeout_ms if timeout_ms is None else timeout_ms):
             if not runner.input_log.owns((record.topic, record.partition)):
                 continue  # its partition moved to another member, which will read it
@@ -472,7 +479,7 @@ class SourceIO:
         self._runner.commit()
 
 
-class _StoppedDuringRetry(Exception):
+class _StoppedDuringRetry(PipelineError):
     """A stop was requested while an event waited for its next retry."""
 
 

@@ -254,9 +254,7 @@ def test_extractor_training_steps_count_per_experience(kafka_bootstrap, tmp_path
     from pipeline.runtime.settings import RunnerSettings
     from pipeline.settings import Settings
     from schemas.examples import example_events
-    from schemas.extractions import ExtractionGenerated
     from schemas.topics import EXTRACTIONS, TRAIN_STEPS
-    from schemas.training import TrainStepCompleted
     from workers.bank import BankProjection
 
     ops = synthetic_op_log(40, seed=4)

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.audit.archive import ARCHIVE_SCHEMA, archive_root, segment_files, write_segments
-from pipeline.audit.views import Audit, AuditQueryError, kind_view_sql, sql_type
+from pipeline.audit.views import Audit, kind_view_sql, sql_type
+from pipeline.errors import AuditQueryError
 from pipeline.runtime.harness import MEMORY_LOG_ID, RawRecord, run_processor
 from schemas.examples import example_events
 from schemas.topics import EVENT_TYPES, TRAJECTORIES

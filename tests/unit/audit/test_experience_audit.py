@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.audit.bank_replay import archived_logs, ops_from_archive
-from pipeline.audit.views import EXPERIENCE_VIEWS, Audit, AuditQueryError
+from pipeline.audit.views import EXPERIENCE_VIEWS, Audit
+from pipeline.errors import AuditQueryError
 from pipeline.bank.replay import replay
 from pipeline.cli import app
 from pipeline.runtime.harness import MEMORY_LOG_ID, run_processor

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from pipeline.actor.settings import SchedulerSettings
-from pipeline.envs.base import EnvUnavailableError, parse_action
+from pipeline.envs.base import parse_action
+from pipeline.errors import EnvUnavailableError
 from pipeline.envs.registry import ENV_SPECS, draw_tasks, make_env, task_pool
 from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.envs.sokoban import ACTIONS, SokobanEnv, generate_room, render_room, solve

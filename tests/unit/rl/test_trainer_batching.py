@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
-import torch
 
 from pipeline.errors import ConfigError
 from schemas.base import Producer
