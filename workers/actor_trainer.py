@@ -20,20 +20,17 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.actor.metrics import episode_metrics
-from pipeline.errors import ConfigError
+from pipeline.rl.batching import ClosedStep, StepCollector
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
     WarmStart,
-    actor_advantages,
-    actor_samples,
+    actor_batch,
     checkpoints_root,
     events_of,
     unpublished,
@@ -49,82 +46,6 @@ from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ClosedStep:
-    """A step ready to train: its complete groups in canonical order, and what was dropped."""
-
-    step: int
-    trajectories: list[TrajectoryCompleted]
-    dropped_event_ids: list[str]
-    timed_out: bool
-    late: int
-
-
-@dataclass
-class _Pending:
-    groups: dict[str, dict[int, tuple[TrajectoryCompleted, Position, int]]] = field(
-        default_factory=lambda: defaultdict(dict))
-    waiting_since: float | None = None
-
-
-class StepCollector:
-    """Collects train episodes per step and closes steps in order: complete, or timed out."""
-
-    def __init__(self, group_size: int, groups_per_step: int, timeout_s: float, next_step: int) -> None:
-        self.group_size = group_size
-        self.groups_per_step = groups_per_step
-        self.timeout_s = timeout_s
-        self.next_step = next_step
-        self.steps: dict[int, _Pending] = defaultdict(_Pending)
-        self.late = 0
-
-    def add(self, trajectory: TrajectoryCompleted, position: Position, offset: int, now: float) -> None:
-        if trajectory.split != "train":
-            return
-        if trajectory.step < self.next_step:
-            self.late += 1  # a warm-up step, a step already trained, or a straggler of a closed step
-            return
-        if trajectory.slot >= self.group_size:
-            raise ConfigError(f"trajectory {trajectory.trajectory_id} has slot {trajectory.slot} but the trainer's "
-                              f"group_size is {self.group_size}: the scheduler and the trainer disagree")
-        pending = self.steps[trajectory.step]
-        pending.groups[trajectory.group_id].setdefault(trajectory.slot, (trajectory, position, offset))
-        if pending.waiting_since is None:
-            pending.waiting_since = now
-
-    def close(self, now: float) -> ClosedStep | None:
-        """The next step, if all its groups are complete or its timeout passed."""
-        pending = self.steps.get(self.next_step)
-        if pending is None:
-            return None
-        complete = sorted(g for g, slots in pending.groups.items() if len(slots) == self.group_size)
-        timed_out = pending.waiting_since is not None and now - pending.waiting_since >= self.timeout_s
-        if len(complete) < self.groups_per_step and not timed_out:
-            return None
-        trajectories = [pending.groups[g][slot][0] for g in complete[: self.groups_per_step]
-                        for slot in sorted(pending.groups[g])]
-        kept = {t.event_id for t in trajectories}
-        dropped = sorted(str(t.event_id) for slots in pending.groups.values() for t, _, _ in slots.values()
-                         if t.event_id not in kept)
-        closed = ClosedStep(self.next_step, trajectories, dropped, timed_out and len(complete) < self.groups_per_step,
-                            self.late)
-        del self.steps[self.next_step]
-        self.next_step += 1
-        self.late = 0
-        if self.next_step in self.steps:
-            self.steps[self.next_step].waiting_since = max(self.steps[self.next_step].waiting_since or now, now)
-        return closed
-
-    def pending_offsets(self) -> dict[Position, int]:
-        """Lowest offset per partition of an episode collected but not yet trained."""
-        lowest: dict[Position, int] = {}
-        for pending in self.steps.values():
-            for slots in pending.groups.values():
-                for _, position, offset in slots.values():
-                    lowest[position] = min(offset, lowest.get(position, offset))
-        return lowest
 
 
 class _PendingAwarePositions:
@@ -166,10 +87,10 @@ def step_metrics(trajectories: list[TrajectoryCompleted], advantages: torch.Tens
 def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed: ClosedStep) -> TrainStepCompleted:
     """One GRPO update on a closed step; returns the `TrainStepCompleted` that records it (not yet saved)."""
     trajectories = closed.trajectories
-    advantages = actor_advantages(trajectories, settings)
+    samples, advantages = actor_batch(trajectories, settings)
     started = time.perf_counter()
     before = trainer.weight_hash
-    result = trainer.step(actor_samples(trajectories, advantages.tolist()), "grpo")
+    result = trainer.step(samples, "grpo")
     metrics = {
         "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
         "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,

@@ -22,15 +22,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
-
-import torch
 
 from infra.admin import high_watermarks
 from infra.kafka import make_consumer
-from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
+from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
 from pipeline.rl.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
-from pipeline.rl.update import Sample
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Source, SourceIO
@@ -43,98 +39,6 @@ from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Generation:
-    event: ExtractionGenerated
-    arrival: int
-    trainings: set[int] = field(default_factory=set)
-    """Extractor steps that trained on it."""
-    outcomes_trained: int = 0
-    """Outcomes its reward averaged when it was last trained."""
-
-
-@dataclass(frozen=True)
-class ExtractorBatch:
-    event_ids: tuple[str, ...]
-    samples: list[Sample]
-    rewards: tuple[float, ...]
-    advantages: tuple[float, ...]
-    outcome_counts: tuple[int, ...]
-    weights: tuple[float, ...]
-
-
-class ExtractorJoin:
-    """Generations, the outcomes credited to them, and which were trained: all rebuilt from events."""
-
-    def __init__(self) -> None:
-        self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
-        self.by_generation_id: dict[str, str] = {}
-        self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
-        self.trained: dict[str, list[tuple[int, int]]] = {}  # event id -> [(step, outcomes)] seen before the event
-        self._arrivals = 0
-
-    def add_extraction(self, event: ExtractionGenerated) -> None:
-        if event.parse_status != "ok" or str(event.event_id) in self.generations:
-            return  # only generations that produced experiences are samples; re-deliveries count once
-        key = str(event.event_id)
-        self._arrivals += 1
-        generation = _Generation(event, self._arrivals)
-        self.generations[key] = generation
-        self.by_generation_id[event.generation_id] = key
-        for step, outcomes in self.trained.pop(key, []):
-            self._mark(generation, step, outcomes)
-
-    def add_trajectory(self, trajectory: TrajectoryCompleted) -> None:
-        if not trajectory.guided or trajectory.split != "train":
-            return  # evaluation episodes measure; they do not train
-        outcome = 1.0 if trajectory.success else -1.0
-        for generation_id in {ref.generation_id for ref in trajectory.retrieved}:
-            self.outcomes.setdefault(generation_id, {})[trajectory.trajectory_id] = outcome
-
-    def add_train_step(self, step: TrainStepCompleted) -> None:
-        if step.role != "extractor":
-            return
-        counts = step.outcome_counts or (0,) * len(step.batch_event_ids)
-        for event_id, outcomes in zip(step.batch_event_ids, counts, strict=True):
-            generation = self.generations.get(event_id)
-            if generation is None:
-                self.trained.setdefault(event_id, []).append((step.step, outcomes))
-            else:
-                self._mark(generation, step.step, outcomes)
-
-    @staticmethod
-    def _mark(generation: _Generation, step: int, outcomes: int) -> None:
-        if step not in generation.trainings:
-            generation.trainings.add(step)
-            generation.outcomes_trained = max(generation.outcomes_trained, outcomes)
-
-    def ready(self) -> list[str]:
-        """Samples with outcomes they were not trained on yet, oldest first."""
-        ready = [(g.arrival, key) for key, g in self.generations.items()
-                 if len(self.outcomes.get(g.event.generation_id, {})) > g.outcomes_trained]
-        return [key for _, key in sorted(ready)]
-
-    def batch(self, step: int, size: int, alpha: float, delta: int) -> ExtractorBatch | None:
-        """The next batch for extractor step `step`, or None while fewer than `size` samples are ready."""
-        ready = self.ready()
-        if len(ready) < size:
-            return None
-        chosen = sorted(ready[:size])  # the oldest `size`, in event-id order
-        generations = [self.generations[key] for key in chosen]
-        outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
-        rewards = torch.tensor([statistics.fmean(o.values()) for o in outcome_sets])
-        weights = training_count_weights(
-            torch.tensor([len(g.trainings) for g in generations]),
-            torch.tensor([step - max(g.trainings) if g.trainings else NEVER_TRAINED for g in generations]),
-            alpha, delta,
-        )
-        advantages = batch_mean_advantages(rewards) * weights
-        samples = [Sample(tuple(g.event.prompt_token_ids), tuple(g.event.response_token_ids),
-                          tuple(g.event.sampling_logprobs), float(a)) for g, a in zip(generations, advantages.tolist())]
-        return ExtractorBatch(tuple(chosen), samples, tuple(rewards.tolist()), tuple(advantages.tolist()),
-                              tuple(len(o) for o in outcome_sets), tuple(weights.tolist()))
 
 
 FROZEN_EXTRACTOR_ARMS = ("static_extractor", "grpo")

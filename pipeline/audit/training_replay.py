@@ -5,8 +5,8 @@
 
 For each role: load version 0 from the checkpoint its `PolicyPublished` names (sha256 checked), with the trainer
 settings recorded in it; then, in version order, rebuild every `TrainStepCompleted`'s batch from the archived events
-it lists, run the same update the trainer ran (`pipeline.rl.update.policy_step`, deterministic CPU mode, the recorded
-thread count) and compare the weight hash before and after with the recorded ones. The actor's advantages are
+it lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: the same optimiser construction
+and step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded ones. The actor's advantages are
 recomputed from the trajectories and must equal the recorded ones; the extractor's depend on which outcomes had
 arrived when it trained, so the recorded ones are used. The first mismatch stops the replay and names the step.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.audit.views import Audit
-from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, load_optimizer_tensors, weight_hash
+from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, weight_hash
 from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings, TrainerSettings
-from pipeline.rl.training import actor_advantages, actor_samples
-from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step
+from pipeline.rl.training import TrainerStep, actor_batch, extractor_samples
+from pipeline.rl.update import Sample
 from schemas.base import Event, Role
 from schemas.codec import decode
 from schemas.extractions import ExtractionGenerated
@@ -82,12 +82,8 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
     initial = load_checkpoint(checkpoint_path(policies[0].checkpoint_uri), policies[0].sha256)
     settings_type = ActorTrainerSettings if role == "actor" else ExtractorTrainerSettings
     settings: TrainerSettings = settings_type.model_validate(initial.manifest["metadata"]["trainer"])
-    deterministic_torch(settings.threads)
+    update = TrainerStep.resumed(initial, settings)  # what the trainer built from the same checkpoint
     policy = initial.policy
-    optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay,
-                               tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
-    if initial.optimizer_tensors is not None:
-        load_optimizer_tensors(optimizer, initial.optimizer_tensors, initial.optimizer_param_groups or [])
     for expected_version, recorded in enumerate(steps, start=1):
         where = f"step {recorded.step} (version {recorded.policy_version})"
         if recorded.policy_version != expected_version:
@@ -107,10 +103,11 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
         if isinstance(samples, str):
             report.problem = f"{where}: {samples}"
             return report
-        policy_step(policy, policy.model, optimizer, samples, variant=recorded.loss_variant,
-                    aggregation=recorded.aggregation, eps_low=settings.eps_low, eps_high=settings.eps_high,
-                    temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
-                    max_grad_norm=settings.max_grad_norm)
+        if recorded.aggregation != settings.aggregation:
+            report.problem = (f"{where}: recorded aggregation {recorded.aggregation}, the trainer settings say "
+                              f"{settings.aggregation}")
+            return report
+        update.run(samples, recorded.loss_variant)
         check = StepCheck(recorded.step, recorded.policy_version, recorded.weight_hash_after,
                           weight_hash(policy.model))
         if check.recorded != check.replayed:
@@ -134,14 +131,13 @@ def _samples(role: Role, batch: list[Event], recorded: TrainStepCompleted, setti
         if len(trajectories) != len(batch):
             return "a batch event is not a TrajectoryCompleted"
         assert isinstance(settings, ActorTrainerSettings)
-        advantages = actor_advantages(trajectories, settings).tolist()
-        if recorded.advantages and tuple(advantages) != recorded.advantages:
-            return f"recomputed advantages {advantages} differ from the recorded {list(recorded.advantages)}"
-        return actor_samples(trajectories, advantages)
+        samples, advantages = actor_batch(trajectories, settings)
+        if recorded.advantages and tuple(advantages.tolist()) != recorded.advantages:
+            return f"recomputed advantages {advantages.tolist()} differ from the recorded {list(recorded.advantages)}"
+        return samples
     generations = [e for e in batch if isinstance(e, ExtractionGenerated)]
     if len(generations) != len(batch):
         return "a batch event is not an ExtractionGenerated"
     if len(recorded.advantages) != len(generations):
         return "the step records no per-sample advantages"
-    return [Sample(tuple(g.prompt_token_ids), tuple(g.response_token_ids), tuple(g.sampling_logprobs), advantage)
-            for g, advantage in zip(generations, recorded.advantages, strict=True)]
+    return extractor_samples(generations, recorded.advantages)

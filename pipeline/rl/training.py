@@ -35,6 +35,7 @@ from infra.kafka import KafkaSettings, make_consumer
 from pipeline.errors import ConfigError, RetryableError
 from pipeline.models.checkpoints import (
     CheckpointInfo,
+    LoadedCheckpoint,
     load_checkpoint,
     load_optimizer_tensors,
     manifest_sha256,
@@ -49,6 +50,7 @@ from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
 from pipeline.rl.update import Sample, StepResult, deterministic_torch, make_optimizer, policy_step
 from schemas.base import Event, Producer, Role
 from schemas.codec import decode
+from schemas.extractions import ExtractionGenerated
 from schemas.topics import POLICY, TRAIN_STEPS, Topic
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
@@ -98,6 +100,40 @@ class PolicyVersion:
     published: PolicyPublished
 
 
+class TrainerStep:
+    """One role's optimiser and update, built the same way wherever a step runs: the trainer workers
+    (`PolicyTrainer.step`) and `crl replay train` (`pipeline.audit.training_replay`) both construct it here and call
+    `run`, so a replay cannot drift from training.
+
+    Deterministic CPU kernels at the recorded thread count; AdamW from the trainer settings, resumed from the
+    optimiser state a checkpoint holds when there is one.
+    """
+
+    def __init__(self, policy: TransformersPolicy, settings: TrainerSettings,
+                 optimizer_tensors: dict[str, torch.Tensor] | None = None,
+                 optimizer_param_groups: list | None = None) -> None:
+        deterministic_torch(settings.threads)
+        self.policy = policy
+        self.settings = settings
+        self.optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay,
+                                        tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
+        if optimizer_tensors is not None:
+            load_optimizer_tensors(self.optimizer, optimizer_tensors, optimizer_param_groups or [])
+
+    @classmethod
+    def resumed(cls, loaded: LoadedCheckpoint, settings: TrainerSettings) -> TrainerStep:
+        """The step that continues from a loaded checkpoint: its weights and its optimiser state."""
+        return cls(loaded.policy, settings, loaded.optimizer_tensors, loaded.optimizer_param_groups)
+
+    def run(self, samples: Sequence[Sample], variant: str) -> StepResult:
+        """One update over `samples` with loss `variant` ("grpo" | "cispo")."""
+        s = self.settings
+        return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
+                           aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
+                           temperature=s.temperature, micro_batch_size=s.micro_batch_size,
+                           max_grad_norm=s.max_grad_norm)
+
+
 class PolicyTrainer:
     """The policy a trainer updates, its optimiser, and its checkpoint directory.
 
@@ -113,8 +149,7 @@ class PolicyTrainer:
         self.run_id = run_id
         self.producer = producer
         self.warm_start = warm_start
-        deterministic_torch(settings.threads)
-        self.policy, self.optimizer, self.current = self._open()
+        self.update, self.current = self._open()
 
     # -- versions on disk -----------------------------------------------------------------------------------------
 
@@ -123,18 +158,16 @@ class PolicyTrainer:
             return []
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)))
 
-    def _optimizer(self, policy: TransformersPolicy) -> torch.optim.Optimizer:
-        s = self.settings
-        return make_optimizer(policy.model, s.lr, s.weight_decay, tuple(s.adam_betas), s.adam_eps)  # type: ignore[arg-type]
+    @property
+    def policy(self) -> TransformersPolicy:
+        return self.update.policy
 
-    def _open(self) -> tuple[TransformersPolicy, torch.optim.Optimizer, PolicyVersion]:
+    def _open(self) -> tuple[TrainerStep, PolicyVersion]:
         versions = self.versions()
         if versions:
             path = version_dir(self.root, versions[-1])
             loaded = load_checkpoint(path)
-            optimizer = self._optimizer(loaded.policy)
-            if loaded.optimizer_tensors is not None:
-                load_optimizer_tensors(optimizer, loaded.optimizer_tensors, loaded.optimizer_param_groups or [])
+            update = TrainerStep.resumed(loaded, self.settings)
             recorded = loaded.manifest["metadata"].get("trainer")
             if recorded is not None and recorded != self.settings.model_dump(mode="json"):
                 log.warning("%s trainer settings differ from those in %s; the checkpoint's weights are used, the new"
@@ -142,18 +175,18 @@ class PolicyTrainer:
             version = self._version_from(path, loaded.manifest)
             log.info("%s trainer resumes at version %d (step %d) from %s", self.role, version.version, version.step,
                      path)
-            return loaded.policy, optimizer, version
+            return update, version
         policy = initial_policy(self.settings.model)
         warm_start = None
         if self.warm_start is not None:
             policy, warm_start = self.warm_start(policy)
-        optimizer = self._optimizer(policy)
-        version = self._write(policy, optimizer, version=0, step=0, train_step=None, warm_start=warm_start)
+        update = TrainerStep(policy, self.settings)
+        version = self._write(update, version=0, step=0, train_step=None, warm_start=warm_start)
         log.info("%s trainer created version 0 at %s", self.role, version.info.path)
-        return policy, optimizer, version
+        return update, version
 
-    def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer, *, version: int, step: int,
-               train_step: TrainStepCompleted | None, warm_start: dict | None = None) -> PolicyVersion:
+    def _write(self, update: TrainerStep, *, version: int, step: int, train_step: TrainStepCompleted | None,
+               warm_start: dict | None = None) -> PolicyVersion:
         metadata = {
             **({"warm_start": warm_start} if warm_start is not None else {}),
             "role": self.role, "version": version, "step": step, "run_id": self.run_id,
@@ -165,7 +198,7 @@ class PolicyTrainer:
         if path.exists() and not (path / "manifest.json").exists():
             shutil.rmtree(path)  # never completed: save_checkpoint renames a finished directory into place
         self.root.mkdir(parents=True, exist_ok=True)
-        info = save_checkpoint(path, policy, optimizer=optimizer, metadata=metadata)
+        info = save_checkpoint(path, update.policy, optimizer=update.optimizer, metadata=metadata)
         return self._version_from(path, json.loads((path / "manifest.json").read_text()), info)
 
     def _version_from(self, path: Path, manifest: dict, info: CheckpointInfo | None = None) -> PolicyVersion:
@@ -190,16 +223,12 @@ class PolicyTrainer:
         return weight_hash(self.policy.model)
 
     def step(self, samples: Sequence[Sample], variant: str) -> StepResult:
-        s = self.settings
-        return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
-                           aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
-                           temperature=s.temperature, micro_batch_size=s.micro_batch_size,
-                           max_grad_norm=s.max_grad_norm)
+        return self.update.run(samples, variant)
 
     def save(self, train_step: TrainStepCompleted) -> PolicyVersion:
         """Write the checkpoint of `train_step.policy_version`; publish what it returns with `events_of`."""
-        self.current = self._write(self.policy, self.optimizer, version=train_step.policy_version,
-                                   step=train_step.step, train_step=train_step)
+        self.current = self._write(self.update, version=train_step.policy_version, step=train_step.step,
+                                   train_step=train_step)
         return self.current
 
     def train_step_event(self, **fields: object) -> TrainStepCompleted:
@@ -250,6 +279,20 @@ def read_to_end(kafka: KafkaSettings, topic: Topic, idle_timeout_s: float = 10.0
         return events
     finally:
         consumer.close(autocommit=False)
+
+
+def actor_batch(trajectories: list[TrajectoryCompleted], settings: ActorTrainerSettings
+                ) -> tuple[list[Sample], torch.Tensor]:
+    """An actor step's samples and per-trajectory advantages from its canonically ordered trajectories: what the
+    actor trainer trains on and what `crl replay train` rebuilds."""
+    advantages = actor_advantages(trajectories, settings)
+    return actor_samples(trajectories, advantages.tolist()), advantages
+
+
+def extractor_samples(generations: Iterable[ExtractionGenerated], advantages: Sequence[float]) -> list[Sample]:
+    """One sample per generation: its prompt and response tokens, its sampling log-probs, its advantage."""
+    return [Sample(tuple(g.prompt_token_ids), tuple(g.response_token_ids), tuple(g.sampling_logprobs), advantage)
+            for g, advantage in zip(generations, advantages, strict=True)]
 
 
 def actor_samples(trajectories: Iterable[TrajectoryCompleted], advantages: Sequence[float]) -> list[Sample]:

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.audit.bank_replay import archived_logs, ops_from_archive
 from pipeline.audit.views import EXPERIENCE_VIEWS, Audit
-from pipeline.errors import AuditQueryError
 from pipeline.bank.replay import replay
 from pipeline.cli import app
+from pipeline.errors import AuditQueryError
 from pipeline.runtime.harness import MEMORY_LOG_ID, run_processor
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer

@@ -10,11 +10,10 @@ import pytest
 
 from pipeline.actor.settings import SchedulerSettings
 from pipeline.envs.base import parse_action
-from pipeline.errors import EnvUnavailableError
 from pipeline.envs.registry import ENV_SPECS, draw_tasks, make_env, task_pool
 from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.envs.sokoban import ACTIONS, SokobanEnv, generate_room, render_room, solve
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, EnvUnavailableError
 
 # A random policy seeded like the task solves these (found once by search; NetHack is deterministic under seeding).
 SOLVED_BY_RANDOM_PLAY = [

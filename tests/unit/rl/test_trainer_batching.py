@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from pipeline.errors import ConfigError
+from pipeline.rl.batching import ExtractorJoin, StepCollector
 from schemas.base import Producer
 from schemas.extractions import ExtractionGenerated
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
-from workers.actor_trainer import StepCollector
-from workers.extractor_trainer import ExtractorJoin
 
 WHO = Producer(worker="test", instance="test-0")
 P = ("crl.trajectories", 0)

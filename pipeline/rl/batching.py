@@ -1,0 +1,193 @@
+"""How each trainer forms its batches from the log, before the update (`pipeline.rl.training.TrainerStep`).
+
+- `StepCollector` (actor, GRPO): collects the train episodes of each step and closes steps in order, once
+  `groups_per_step` groups of `group_size` are complete, or after `group_timeout_s` with the complete ones (the rest
+  dropped and listed); the batch is in canonical (group, slot) order.
+- `ExtractorJoin` (extractor, CISPO): joins every `ExtractionGenerated` with the outcomes of the guided train
+  episodes that were served its experiences, and forms a batch of the oldest `buffer_size` generations with new
+  outcomes: reward = mean outcome, advantage = (r - mean r) * Eq. 7 weight.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
+from pipeline.rl.training import extractor_samples
+from pipeline.rl.update import Sample
+from pipeline.runtime.transport import Position
+from schemas.extractions import ExtractionGenerated
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+
+@dataclass
+class ClosedStep:
+    """A step ready to train: its complete groups in canonical order, and what was dropped."""
+
+    step: int
+    trajectories: list[TrajectoryCompleted]
+    dropped_event_ids: list[str]
+    timed_out: bool
+    late: int
+
+
+@dataclass
+class _Pending:
+    groups: dict[str, dict[int, tuple[TrajectoryCompleted, Position, int]]] = field(
+        default_factory=lambda: defaultdict(dict))
+    waiting_since: float | None = None
+
+
+class StepCollector:
+    """Collects train episodes per step and closes steps in order: complete, or timed out."""
+
+    def __init__(self, group_size: int, groups_per_step: int, timeout_s: float, next_step: int) -> None:
+        self.group_size = group_size
+        self.groups_per_step = groups_per_step
+        self.timeout_s = timeout_s
+        self.next_step = next_step
+        self.steps: dict[int, _Pending] = defaultdict(_Pending)
+        self.late = 0
+
+    def add(self, trajectory: TrajectoryCompleted, position: Position, offset: int, now: float) -> None:
+        if trajectory.split != "train":
+            return
+        if trajectory.step < self.next_step:
+            self.late += 1  # a warm-up step, a step already trained, or a straggler of a closed step
+            return
+        if trajectory.slot >= self.group_size:
+            raise ConfigError(f"trajectory {trajectory.trajectory_id} has slot {trajectory.slot} but the trainer's "
+                              f"group_size is {self.group_size}: the scheduler and the trainer disagree")
+        pending = self.steps[trajectory.step]
+        pending.groups[trajectory.group_id].setdefault(trajectory.slot, (trajectory, position, offset))
+        if pending.waiting_since is None:
+            pending.waiting_since = now
+
+    def close(self, now: float) -> ClosedStep | None:
+        """The next step, if all its groups are complete or its timeout passed."""
+        pending = self.steps.get(self.next_step)
+        if pending is None:
+            return None
+        complete = sorted(g for g, slots in pending.groups.items() if len(slots) == self.group_size)
+        timed_out = pending.waiting_since is not None and now - pending.waiting_since >= self.timeout_s
+        if len(complete) < self.groups_per_step and not timed_out:
+            return None
+        trajectories = [pending.groups[g][slot][0] for g in complete[: self.groups_per_step]
+                        for slot in sorted(pending.groups[g])]
+        kept = {t.event_id for t in trajectories}
+        dropped = sorted(str(t.event_id) for slots in pending.groups.values() for t, _, _ in slots.values()
+                         if t.event_id not in kept)
+        closed = ClosedStep(self.next_step, trajectories, dropped, timed_out and len(complete) < self.groups_per_step,
+                            self.late)
+        del self.steps[self.next_step]
+        self.next_step += 1
+        self.late = 0
+        if self.next_step in self.steps:
+            self.steps[self.next_step].waiting_since = max(self.steps[self.next_step].waiting_since or now, now)
+        return closed
+
+    def pending_offsets(self) -> dict[Position, int]:
+        """Lowest offset per partition of an episode collected but not yet trained."""
+        lowest: dict[Position, int] = {}
+        for pending in self.steps.values():
+            for slots in pending.groups.values():
+                for _, position, offset in slots.values():
+                    lowest[position] = min(offset, lowest.get(position, offset))
+        return lowest
+
+
+@dataclass
+class _Generation:
+    event: ExtractionGenerated
+    arrival: int
+    trainings: set[int] = field(default_factory=set)
+    """Extractor steps that trained on it."""
+    outcomes_trained: int = 0
+    """Outcomes its reward averaged when it was last trained."""
+
+
+@dataclass(frozen=True)
+class ExtractorBatch:
+    event_ids: tuple[str, ...]
+    samples: list[Sample]
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+    outcome_counts: tuple[int, ...]
+    weights: tuple[float, ...]
+
+
+class ExtractorJoin:
+    """Generations, the outcomes credited to them, and which were trained: all rebuilt from events."""
+
+    def __init__(self) -> None:
+        self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
+        self.by_generation_id: dict[str, str] = {}
+        self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
+        self.trained: dict[str, list[tuple[int, int]]] = {}  # event id -> [(step, outcomes)] seen before the event
+        self._arrivals = 0
+
+    def add_extraction(self, event: ExtractionGenerated) -> None:
+        if event.parse_status != "ok" or str(event.event_id) in self.generations:
+            return  # only generations that produced experiences are samples; re-deliveries count once
+        key = str(event.event_id)
+        self._arrivals += 1
+        generation = _Generation(event, self._arrivals)
+        self.generations[key] = generation
+        self.by_generation_id[event.generation_id] = key
+        for step, outcomes in self.trained.pop(key, []):
+            self._mark(generation, step, outcomes)
+
+    def add_trajectory(self, trajectory: TrajectoryCompleted) -> None:
+        if not trajectory.guided or trajectory.split != "train":
+            return  # evaluation episodes measure; they do not train
+        outcome = 1.0 if trajectory.success else -1.0
+        for generation_id in {ref.generation_id for ref in trajectory.retrieved}:
+            self.outcomes.setdefault(generation_id, {})[trajectory.trajectory_id] = outcome
+
+    def add_train_step(self, step: TrainStepCompleted) -> None:
+        if step.role != "extractor":
+            return
+        counts = step.outcome_counts or (0,) * len(step.batch_event_ids)
+        for event_id, outcomes in zip(step.batch_event_ids, counts, strict=True):
+            generation = self.generations.get(event_id)
+            if generation is None:
+                self.trained.setdefault(event_id, []).append((step.step, outcomes))
+            else:
+                self._mark(generation, step.step, outcomes)
+
+    @staticmethod
+    def _mark(generation: _Generation, step: int, outcomes: int) -> None:
+        if step not in generation.trainings:
+            generation.trainings.add(step)
+            generation.outcomes_trained = max(generation.outcomes_trained, outcomes)
+
+    def ready(self) -> list[str]:
+        """Samples with outcomes they were not trained on yet, oldest first."""
+        ready = [(g.arrival, key) for key, g in self.generations.items()
+                 if len(self.outcomes.get(g.event.generation_id, {})) > g.outcomes_trained]
+        return [key for _, key in sorted(ready)]
+
+    def batch(self, step: int, size: int, alpha: float, delta: int) -> ExtractorBatch | None:
+        """The next batch for extractor step `step`, or None while fewer than `size` samples are ready."""
+        ready = self.ready()
+        if len(ready) < size:
+            return None
+        chosen = sorted(ready[:size])  # the oldest `size`, in event-id order
+        generations = [self.generations[key] for key in chosen]
+        outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
+        rewards = torch.tensor([statistics.fmean(o.values()) for o in outcome_sets])
+        weights = training_count_weights(
+            torch.tensor([len(g.trainings) for g in generations]),
+            torch.tensor([step - max(g.trainings) if g.trainings else NEVER_TRAINED for g in generations]),
+            alpha, delta,
+        )
+        advantages = batch_mean_advantages(rewards) * weights
+        samples = extractor_samples([g.event for g in generations], advantages.tolist())
+        return ExtractorBatch(tuple(chosen), samples, tuple(rewards.tolist()), tuple(advantages.tolist()),
+                              tuple(len(o) for o in outcome_sets), tuple(weights.tolist()))
