@@ -5,7 +5,8 @@
     python benchmarks/learning.py --quick               # complementary and grpo, 1 seed, 3 steps (~4 min)
 
 Every run is a real `crl run configs/tiny-minihack-room.yaml --arm ARM` (embedded broker, every worker as a
-process), with `CRL_SCHEDULER__SEED`, `CRL_ROLLOUT__SEED` and `CRL_EXTRACTOR__SEED` set to the seed: the task
+process), with `CRL_ENVS__SEED`, `CRL_ROLLOUT__GENERATION__SEED` and `CRL_EXTRACTOR__GENERATION__SEED` set to the
+seed: the task
 draws and the sampling change with it, the fixed eval pool and the warm-started models do not (the warm starts are
 cached, so only the first run pays for them). Runs go one after another (2 cores).
 
@@ -35,8 +36,8 @@ CONFIG = ROOT / "configs" / "tiny-minihack-room.yaml"
 
 def run_arm(arm: str, seed: int, steps: int, run_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__SEED": str(seed), "CRL_ROLLOUT__SEED": str(seed),
-                "CRL_EXTRACTOR__SEED": str(seed)})
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_ENVS__SEED": str(seed), "CRL_ROLLOUT__GENERATION__SEED": str(seed),
+                "CRL_EXTRACTOR__GENERATION__SEED": str(seed)})
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--arm", arm, "--steps",
                              str(steps), "--run-dir", str(run_dir), "--no-report"], env=env, cwd=ROOT,

@@ -125,10 +125,11 @@ def play(policy, batch, retriever) -> tuple[float, int, float]:  # type: ignore[
     from pipeline.actor.episodes import EpisodePlayer
     from pipeline.actor.settings import RolloutSettings
     from pipeline.envs.settings import EnvSettings
+    from pipeline.models.settings import GenerationSettings
     from schemas.base import Producer
 
-    player = EpisodePlayer(RolloutSettings(max_new_tokens=6, generation_micro_batch=64), EnvSettings(),
-                           temperature=1.0, run_id="bench", producer=Producer(worker="rollout", instance="bench"),
+    player = EpisodePlayer(RolloutSettings(generation=GenerationSettings(max_new_tokens=6, micro_batch=64)),
+                           EnvSettings(), run_id="bench", producer=Producer(worker="rollout", instance="bench"),
                            retriever=retriever, seed=0)
     player.policy, player.version = policy, 0
     started = time.perf_counter()

@@ -99,14 +99,22 @@ class Settings(BaseSettings):
     def _known_envs(self) -> Settings:
         from pipeline.envs.registry import ENV_SPECS
 
-        unknown = [task.env_id for task in self.scheduler.tasks if task.env_id not in ENV_SPECS]
+        unknown = [task.env_id for task in self.envs.tasks if task.env_id not in ENV_SPECS]
         if unknown:
-            raise ValueError(f"unknown env ids in scheduler.tasks: {unknown}; valid values: {sorted(ENV_SPECS)}")
+            raise ValueError(f"unknown env ids in envs.tasks: {unknown}; valid values: {sorted(ENV_SPECS)}")
         return self
 
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or self.run_dir.resolve().name
+
+    def run_config(self) -> dict[str, Any]:
+        """These settings as a run config (plain YAML-able data, what `Settings(config=path)` reads back), secrets in
+        the clear: `crl run` hands it to its workers in RUN_DIR/config.yaml."""
+        data = self.model_dump(mode="json", exclude={"config"})
+        if self.kafka.sasl_plain_password is not None:
+            data["kafka"]["sasl_plain_password"] = self.kafka.sasl_plain_password.get_secret_value()
+        return data
 
     def with_bootstrap(self, bootstrap_servers: str) -> Settings:
         """A copy pointing every client at `bootstrap_servers`."""

@@ -117,7 +117,7 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
         return None
     from pipeline.rl.warm_start import warm_start_actor
 
-    return lambda policy: warm_start_actor(policy, warm, settings.scheduler.tasks, settings.envs,
+    return lambda policy: warm_start_actor(policy, warm, settings.envs.tasks, settings.envs,
                                            settings.rollout.history_turns)
 
 
@@ -133,7 +133,8 @@ class ActorTrainer(Source):
         self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
-                                     warm_start=actor_warm_start(context.settings))
+                                     warm_start=actor_warm_start(context.settings),
+                                     temperature=context.settings.rollout.generation.temperature)
         self.collector = StepCollector(
             self.settings.group_size, self.settings.groups_per_step, self.settings.group_timeout_s,
             next_step=max(self.settings.warmup_steps, self.trainer.current.step + 1 if self.trainer.current.version

@@ -108,10 +108,11 @@ class Extractor(Source):
         self.embedding_model = settings.embedding.model
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.follower = PolicyFollower(self.kafka, "extractor", client_id=f"{context.instance}-policy")
-        self.seed_base = (self.settings.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
+        self.generation = self.settings.generation
+        self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
         self.sampling = SamplingParams(
-            max_new_tokens=self.settings.max_new_tokens, temperature=settings.extractor_trainer.temperature,
-            top_p=self.settings.top_p, top_k=self.settings.top_k, stop=(ANSWER_STOP,))
+            max_new_tokens=self.generation.max_new_tokens, temperature=self.generation.temperature,
+            top_p=self.generation.top_p, top_k=self.generation.top_k, stop=(ANSWER_STOP,))
         self.policy: PolicyModel | None = None
         self.version = -1
         self.calls = 0
@@ -182,8 +183,8 @@ class Extractor(Source):
         newer = self.follower.newer_than(self.version)
         if newer is None:
             return
-        policy = self.follower.load(newer, self.settings.backend, self.settings.device,
-                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base,
+        policy = self.follower.load(newer, self.generation.backend, self.generation.device,
+                                    micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
                                     keeping=self.version)
         if policy is not None:
             self.policy, self.version = policy, newer.version

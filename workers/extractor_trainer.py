@@ -52,7 +52,7 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
         return None
     from pipeline.rl.warm_start import warm_start_extractor
 
-    return lambda policy: warm_start_extractor(policy, warm, settings.scheduler.tasks, settings.envs,
+    return lambda policy: warm_start_extractor(policy, warm, settings.envs.tasks, settings.envs,
                                                settings.extractor)
 
 
@@ -68,7 +68,8 @@ class ExtractorTrainer(Source):
         self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
-                                     warm_start=extractor_warm_start(context.settings))
+                                     warm_start=extractor_warm_start(context.settings),
+                                     temperature=context.settings.extractor.generation.temperature)
         self.join = ExtractorJoin()
 
     @classmethod

@@ -55,9 +55,9 @@ class Rollout(Source):
         self.kafka = context.kafka
         self.run_id = context.settings.resolved_run_id
         self.follower = PolicyFollower(self.kafka, "actor", client_id=f"{context.instance}-policy")
-        self.seed_base = (self.settings.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
-        self.player = EpisodePlayer(self.settings, context.settings.envs,
-                                    temperature=context.settings.actor_trainer.temperature, run_id=self.run_id,
+        self.generation = self.settings.generation
+        self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
+        self.player = EpisodePlayer(self.settings, context.settings.envs, run_id=self.run_id,
                                     producer=Producer(worker=self.name, instance=context.instance),
                                     seed=self.seed_base)
         self.queue: deque[tuple[EpisodeAssigned, Origin]] = deque()
@@ -109,8 +109,8 @@ class Rollout(Source):
             self._load(newer)
 
     def _load(self, event: PolicyPublished) -> None:
-        policy = self.follower.load(event, self.settings.backend, self.settings.device,
-                                    micro_batch_size=self.settings.generation_micro_batch, seed=self.seed_base,
+        policy = self.follower.load(event, self.generation.backend, self.generation.device,
+                                    micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
                                     keeping=self.player.version)
         if policy is not None:
             self.player.policy, self.player.version = policy, event.version

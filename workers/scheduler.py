@@ -87,7 +87,7 @@ def train_assignments(settings: Settings, run_id: str, producer: Producer, step:
     guided = guided_slots(settings, step, k)
     version = required_version(settings, step)
     episodes = []
-    for g, (entry, seed) in enumerate(draw_tasks(settings.scheduler, step, settings.actor_trainer.groups_per_step)):
+    for g, (entry, seed) in enumerate(draw_tasks(settings.envs, step, settings.actor_trainer.groups_per_step)):
         spec = env_spec(entry.env_id)
         group_id = f"s{step:06d}-g{g:03d}"
         for slot in range(k):
@@ -104,9 +104,9 @@ def eval_assignments(settings: Settings, run_id: str, producer: Producer, step: 
     size = 1 if settings.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
     version = required_version(settings, step)
     episodes = []
-    for entry in settings.scheduler.tasks:
+    for entry in settings.envs.tasks:
         spec = env_spec(entry.env_id)
-        pool = task_pool(entry.env_id, "eval", settings.scheduler.eval_tasks_per_env, settings.scheduler.seed)
+        pool = task_pool(entry.env_id, "eval", settings.envs.eval_tasks_per_env, settings.envs.seed)
         for t, seed in enumerate(pool):
             group_id = f"eval-s{step:06d}-{entry.env_id}-t{t:03d}"
             for slot in range(size):
@@ -175,7 +175,7 @@ class Scheduler(Source):
             merge = [MergeRequested(
                 event_id=scheduled_id(self.run_id, "merge", step - 1), run_id=self.run_id, producer=self.producer,
                 merge_id=f"{self.run_id}-merge-{step - 1:06d}", step=step - 1,
-                task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.scheduler.tasks})),
+                task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
             )] if merge_due(self.settings, step) else []
             planned = merge + train + evaluation
             if all(e.event_id in on_log for e in planned):

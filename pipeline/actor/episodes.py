@@ -1,6 +1,6 @@
 """Playing episodes in batches: the rollout worker's engine, without Kafka (the benchmark and tests use it directly).
 
-    player = EpisodePlayer(settings.rollout, settings.envs, temperature=1.0, run_id="r", producer=producer,
+    player = EpisodePlayer(settings.rollout, settings.envs, run_id="r", producer=producer,
                            retriever=retriever)            # retriever: None when no slot is guided
     player.policy, player.version = policy, 0
     player.start([(assignment, ("crl.tasks", 0), offset), ...])   # reset envs; one batched retrieval for the guided
@@ -117,15 +117,16 @@ class EnvPool:
 class EpisodePlayer:
     """Episodes in flight, played one batched turn at a time with `policy` (set `policy` and `version` first)."""
 
-    def __init__(self, settings: RolloutSettings, envs: EnvSettings, *, temperature: float, run_id: str,
+    def __init__(self, settings: RolloutSettings, envs: EnvSettings, *, run_id: str,
                  producer: Producer, retriever: Retriever | None = None, seed: int = 0) -> None:
         self.settings = settings
         self.envs = EnvPool(envs)
         self.run_id = run_id
         self.producer = producer
         self.retriever = retriever
-        self.sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=temperature,
-                                       top_p=settings.top_p, top_k=settings.top_k, stop=("\n",))
+        generation = settings.generation
+        self.sampling = SamplingParams(max_new_tokens=generation.max_new_tokens, temperature=generation.temperature,
+                                       top_p=generation.top_p, top_k=generation.top_k, stop=("\n",))
         self.policy: PolicyModel | None = None
         self.version = -1
         self.active: list[Episode] = []

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.envs.settings import TaskMix
+from pipeline.models.settings import GenerationSettings
 
 Arm = Literal["complementary", "grpo", "static_extractor", "exp_only"]
 """Which method a run trains (PAPER.md baselines): `complementary` trains both models with guided/free groups;
@@ -16,7 +16,8 @@ the actor and trains only the extractor."""
 
 
 class SchedulerSettings(BaseModel):
-    """What the run plays, step by step. Environment: `CRL_SCHEDULER__<FIELD>`. Group size, groups per step and
+    """When the run plays what (the tasks are the environments' section, `CRL_ENVS__TASKS`). Environment:
+    `CRL_SCHEDULER__<FIELD>`. Group size, groups per step and
     warm-up are the actor trainer's (`CRL_ACTOR_TRAINER__GROUP_SIZE`, `__GROUPS_PER_STEP`, `__WARMUP_STEPS`), so the
     scheduler and the trainer cannot disagree."""
 
@@ -24,9 +25,6 @@ class SchedulerSettings(BaseModel):
 
     arm: Arm = Field(default="complementary", description="complementary | grpo | static_extractor | exp_only.")
     steps: int = Field(default=10, gt=0, description="Training steps to schedule (warm-up included).")
-    tasks: tuple[TaskMix, ...] = Field(
-        default=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"),), min_length=1,
-        description="The mixture: each step's groups are drawn from these environments by weight.")
     staleness: int = Field(
         default=0, ge=0,
         description="How many actor versions a step may lag: step s is issued once the actor has trained every "
@@ -38,26 +36,20 @@ class SchedulerSettings(BaseModel):
     eval_every: int = Field(
         default=5, ge=0,
         description="Evaluation episodes on the fixed eval pool every N steps and after the last (0 = never).")
-    eval_tasks_per_env: int = Field(default=8, gt=0, description="Eval pool size per environment.")
-    train_pool_size: int = Field(default=1000, gt=0, description="Train task seeds per environment.")
-    seed: int = Field(default=0, ge=0, description="Seeds the task pools and the draw of each step's tasks.")
 
 
 class RolloutSettings(BaseModel):
-    """How rollout workers play. Environment: `CRL_ROLLOUT__<FIELD>`. The sampling temperature is the actor
-    trainer's (`CRL_ACTOR_TRAINER__TEMPERATURE`): the update recomputes log-probs at it."""
+    """How rollout workers play. Environment: `CRL_ROLLOUT__<FIELD>`; the actor's generation (backend, device,
+    sampling, temperature, micro-batch, seed) is `CRL_ROLLOUT__GENERATION__<FIELD>`, which the actor trainer reads
+    too: the update recomputes log-probs at its temperature."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backend: Literal["transformers", "vllm"] = Field(
-        default="transformers", description="Generation backend for the actor's checkpoints.")
-    device: str = Field(default="cpu", description="torch device for the transformers backend.")
+    generation: GenerationSettings = Field(
+        default_factory=lambda: GenerationSettings(max_new_tokens=8, micro_batch=32),
+        description="How the actor generates (one action per turn).")
     max_concurrent_episodes: int = Field(
         default=64, gt=0, description="Episodes played at once; each turn is one batched generation over them.")
-    generation_micro_batch: int = Field(default=32, gt=0, description="Rows per forward pass while generating.")
-    max_new_tokens: int = Field(default=8, gt=0, description="Longest response per turn (one action).")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling (1 = off).")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
     history_turns: int = Field(default=2, ge=0, description="Previous actions (with their results) in the prompt.")
     search_and_ask: bool = Field(
         default=False,
@@ -68,4 +60,3 @@ class RolloutSettings(BaseModel):
         default=5.0, ge=0, description="At start, how long to wait for the bank replica to catch up (no barrier "
         "after that: each trajectory records the bank offset it was served from).")
     metrics_every: int = Field(default=32, gt=0, description="Log rollout metrics every N finished episodes.")
-    seed: int = Field(default=0, ge=0, description="Seeds the sampling of this worker's generations.")

@@ -81,8 +81,13 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
         return report
     initial = load_checkpoint(checkpoint_path(policies[0].checkpoint_uri), policies[0].sha256)
     settings_type = ActorTrainerSettings if role == "actor" else ExtractorTrainerSettings
-    settings: TrainerSettings = settings_type.model_validate(initial.manifest["metadata"]["trainer"])
-    update = TrainerStep.resumed(initial, settings)  # what the trainer built from the same checkpoint
+    metadata = initial.manifest["metadata"]
+    recorded_trainer = dict(metadata["trainer"])
+    # Checkpoints written before the generation sections kept the temperature in the trainer settings.
+    temperature = float(metadata.get("temperature", recorded_trainer.pop("temperature", 1.0)))
+    recorded_trainer.pop("temperature", None)
+    settings: TrainerSettings = settings_type.model_validate(recorded_trainer)
+    update = TrainerStep.resumed(initial, settings, temperature)  # what the trainer built from the same checkpoint
     policy = initial.policy
     for expected_version, recorded in enumerate(steps, start=1):
         where = f"step {recorded.step} (version {recorded.policy_version})"

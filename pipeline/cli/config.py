@@ -43,7 +43,7 @@ def config_check(configs: Annotated[list[Path], typer.Argument(help="Run config 
         except typer.Exit:
             failed += 1
             continue
-        tasks = ", ".join(t.env_id for t in settings.scheduler.tasks)
+        tasks = ", ".join(t.env_id for t in settings.envs.tasks)
         console.print(f"[green]ok[/green]      {path}  arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
                       f"{tasks}")
     if failed:

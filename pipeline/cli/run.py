@@ -39,24 +39,23 @@ def run(
     from pipeline.run.plan import check_run_dir, default_run_dir
     from pipeline.run.supervisor import RunSupervisor
 
-    overrides = {}
-    if steps is not None:
-        overrides["CRL_SCHEDULER__STEPS"] = str(steps)
+    scheduler = {"steps": steps} if steps is not None else {}
     if arm is not None:
-        overrides["CRL_SCHEDULER__ARM"] = arm.value
+        scheduler["arm"] = arm.value
+    overrides: dict[str, object] = {"scheduler": scheduler}
     if broker_kind is not None:
-        overrides["CRL_BROKER__KIND"] = broker_kind.value
-    chosen_dir = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
-                             else default_run_dir(config))
-    os.environ.update(overrides)  # this is the settings edge: the workers get the same overrides
-    os.environ["CRL_RUN_DIR"] = str(chosen_dir)
-    settings = Settings(config=config)
+        overrides["broker"] = {"kind": broker_kind.value}
+    # This is the settings edge: the options override the config and the CRL_* variables; the workers read the
+    # result from RUN_DIR/config.yaml (`RunSupervisor`).
+    overrides["run_dir"] = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
+                                       else default_run_dir(config))
+    settings = Settings(config=config, **overrides)
     check_run_dir(settings.run_dir)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(State.log_level, settings.run_dir / "logs" / "crl-run.log")
     console.print(f"run {settings.resolved_run_id}: arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
-                  f"{', '.join(t.env_id for t in settings.scheduler.tasks)}; run dir {settings.run_dir}")
-    supervisor = RunSupervisor(settings, config, overrides, console)
+                  f"{', '.join(t.env_id for t in settings.envs.tasks)}; run dir {settings.run_dir}")
+    supervisor = RunSupervisor(settings, console)
     progress = supervisor.run()
     finished = progress.finished
     status = finished.status if finished is not None else "interrupted"

@@ -3,7 +3,7 @@ fixed, seeded task pools per environment (train and eval, disjoint); and the mix
 
     env = make_env("MiniHack-MazeWalk-9x9-v0", EnvSettings())
     pool = task_pool("MiniHack-MazeWalk-9x9-v0", "eval", size=8, seed=0)     # the same 8 seeds every time
-    tasks = draw_tasks(settings.scheduler, step=3, groups=4)                 # [(env_id, seed), ...]
+    tasks = draw_tasks(settings.envs, step=3, groups=4)                 # [(env_id, seed), ...]
 
 Task families partition the bank (retrieval searches within the family): the MiniHack Room variants share one
 family, every other environment is its own.
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from pipeline.envs.base import TextEnv
 from pipeline.envs.settings import EnvSettings, TaskMix
@@ -130,20 +129,7 @@ def task_pool(env_id: str, split: Split, size: int, seed: int) -> tuple[int, ...
     return tuple(seeds)
 
 
-class TaskMixture(Protocol):
-    """What a step's draw needs of a run's settings (the scheduler's section has these fields)."""
-
-    @property
-    def tasks(self) -> Sequence[TaskMix]: ...
-
-    @property
-    def train_pool_size(self) -> int: ...
-
-    @property
-    def seed(self) -> int: ...
-
-
-def draw_tasks(settings: TaskMixture, step: int, groups: int) -> list[tuple[TaskMix, int]]:
+def draw_tasks(settings: EnvSettings, step: int, groups: int) -> list[tuple[TaskMix, int]]:
     """The (mixture entry, task seed) of each of a step's `groups` groups: entries in proportion to their weights
     (largest remainder, so a 2-env mixture with 4 groups gets exactly 2 each), seeds drawn from each entry's train
     pool. A pure function of (settings, step): a restarted scheduler draws the same tasks."""

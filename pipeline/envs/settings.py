@@ -1,4 +1,5 @@
-"""How environments are built (`CRL_ENVS__*`) and one entry of a run's task mixture."""
+"""What a run plays and how its environments are built (`CRL_ENVS__*`): the task mixture, the task pools, and
+per-environment options."""
 
 from __future__ import annotations
 
@@ -6,22 +7,6 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-
-class EnvSettings(BaseModel):
-    """How environments are built. Environment: `CRL_ENVS__<FIELD>`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    invalid_action: Literal["skip", "end"] = Field(
-        default="skip",
-        description="A response naming no available action: 'skip' uses up the turn without stepping the "
-        "environment (the next observation says it was invalid); 'end' ends the episode as a failure.")
-    alfworld_data: Path | None = Field(
-        default=None, description="ALFWorld's data directory (alfworld-download); required by the ALFWorld env.")
-    webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
-    swebench_instances: Path | None = Field(
-        default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")
 
 
 class TaskMix(BaseModel):
@@ -32,3 +17,26 @@ class TaskMix(BaseModel):
     env_id: str = Field(description="An id of the env registry (`crl envs list`), e.g. 'MiniHack-Room-Random-5x5-v0'.")
     weight: float = Field(default=1.0, gt=0, description="Relative share of the step's task groups.")
     max_turns: int | None = Field(default=None, gt=0, description="Turn limit; None: the env's paper setting.")
+
+
+class EnvSettings(BaseModel):
+    """What a run plays and how its environments are built: the task mixture, the task pools, and per-environment
+    options. Environment: `CRL_ENVS__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tasks: tuple[TaskMix, ...] = Field(
+        default=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"),), min_length=1,
+        description="The mixture: each step's groups are drawn from these environments by weight.")
+    train_pool_size: int = Field(default=1000, gt=0, description="Train task seeds per environment.")
+    eval_tasks_per_env: int = Field(default=8, gt=0, description="Eval pool size per environment.")
+    seed: int = Field(default=0, ge=0, description="Seeds the task pools and the draw of each step's tasks.")
+    invalid_action: Literal["skip", "end"] = Field(
+        default="skip",
+        description="A response naming no available action: 'skip' uses up the turn without stepping the "
+        "environment (the next observation says it was invalid); 'end' ends the episode as a failure.")
+    alfworld_data: Path | None = Field(
+        default=None, description="ALFWorld's data directory (alfworld-download); required by the ALFWorld env.")
+    webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
+    swebench_instances: Path | None = Field(
+        default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")

@@ -33,13 +33,29 @@ class TinyModelSettings(BaseModel):
 
 
 class ModelSettings(BaseModel):
-    """Which policy model a role starts from and where it runs."""
+    """Which policy model a role starts from, and where its trainer runs it (training always uses transformers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str | None = Field(
+        default=None, description="Local directory of a Hugging Face model to start from; None builds the tiny preset.")
+    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (path None).")
+    device: str = Field(default="cpu", description="torch device the trainer runs the model on.")
+
+
+class GenerationSettings(BaseModel):
+    """How a role's policy generates, in one place: the workers that sample from it (rollout for the actor, extractor
+    for the extractor) and the role's trainer, which recomputes the sampling log-probs at the same temperature."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["transformers", "vllm"] = Field(
-        default="transformers", description="Generation backend; training always runs on transformers.")
-    path: str | None = Field(
-        default=None, description="Local directory of a Hugging Face model to start from; None builds the tiny preset.")
-    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (path None).")
+        default="transformers", description="Generation backend for the role's checkpoints (vllm: GPU machines).")
     device: str = Field(default="cpu", description="torch device for the transformers backend.")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature; the role's trainer recomputes log-probs at it.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling (1 = off).")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
+    max_new_tokens: int = Field(default=8, gt=0, description="Longest response per generation.")
+    micro_batch: int = Field(default=32, gt=0, description="Rows per forward pass while generating.")
+    seed: int = Field(default=0, ge=0, description="Seeds the sampling of the role's generating workers.")

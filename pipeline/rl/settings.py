@@ -25,8 +25,6 @@ class TrainerSettings(BaseModel):
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip of the ratio: 1 + eps_high.")
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = Field(
         default="token-mean", description="How token losses reduce to the batch loss (changes results; logged).")
-    temperature: float = Field(
-        default=1.0, gt=0, description="Sampling temperature the rollouts used; log-probs are recomputed at it.")
     micro_batch_size: int = Field(default=8, gt=0, description="Samples per forward/backward pass.")
     threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
 

@@ -76,8 +76,6 @@ def event_id_for(run_id: str, role: Role, version: int, what: str) -> uuid.UUID:
 
 def initial_policy(model: ModelSettings) -> TransformersPolicy:
     """Version 0: the local model at `model.path`, or the tiny preset built from its seed."""
-    if model.backend != "transformers":
-        raise ConfigError(f"trainers run on the transformers backend; got backend={model.backend!r}")
     if model.path is not None:
         if not Path(model.path).is_dir():
             raise ConfigError(f"model path {model.path} is not a local directory (nothing is downloaded at run time)")
@@ -106,31 +104,33 @@ class TrainerStep:
     `run`, so a replay cannot drift from training.
 
     Deterministic CPU kernels at the recorded thread count; AdamW from the trainer settings, resumed from the
-    optimiser state a checkpoint holds when there is one.
+    optimiser state a checkpoint holds when there is one; log-probs recomputed at the sampling `temperature` of the
+    role's generation section.
     """
 
-    def __init__(self, policy: TransformersPolicy, settings: TrainerSettings,
+    def __init__(self, policy: TransformersPolicy, settings: TrainerSettings, temperature: float,
                  optimizer_tensors: dict[str, torch.Tensor] | None = None,
                  optimizer_param_groups: list | None = None) -> None:
         deterministic_torch(settings.threads)
         self.policy = policy
         self.settings = settings
+        self.temperature = temperature
         self.optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay,
                                         tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
         if optimizer_tensors is not None:
             load_optimizer_tensors(self.optimizer, optimizer_tensors, optimizer_param_groups or [])
 
     @classmethod
-    def resumed(cls, loaded: LoadedCheckpoint, settings: TrainerSettings) -> TrainerStep:
+    def resumed(cls, loaded: LoadedCheckpoint, settings: TrainerSettings, temperature: float) -> TrainerStep:
         """The step that continues from a loaded checkpoint: its weights and its optimiser state."""
-        return cls(loaded.policy, settings, loaded.optimizer_tensors, loaded.optimizer_param_groups)
+        return cls(loaded.policy, settings, temperature, loaded.optimizer_tensors, loaded.optimizer_param_groups)
 
     def run(self, samples: Sequence[Sample], variant: str) -> StepResult:
         """One update over `samples` with loss `variant` ("grpo" | "cispo")."""
         s = self.settings
         return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
                            aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
-                           temperature=s.temperature, micro_batch_size=s.micro_batch_size,
+                           temperature=self.temperature, micro_batch_size=s.micro_batch_size,
                            max_grad_norm=s.max_grad_norm)
 
 
@@ -142,9 +142,11 @@ class PolicyTrainer:
     """
 
     def __init__(self, role: Role, settings: TrainerSettings, root: Path, run_id: str, producer: Producer,
-                 warm_start: WarmStart | None = None) -> None:
+                 warm_start: WarmStart | None = None, temperature: float = 1.0) -> None:
         self.role = role
         self.settings = settings
+        self.temperature = temperature
+        """The sampling temperature of the role's generation section (recorded in every checkpoint)."""
         self.root = root
         self.run_id = run_id
         self.producer = producer
@@ -167,7 +169,7 @@ class PolicyTrainer:
         if versions:
             path = version_dir(self.root, versions[-1])
             loaded = load_checkpoint(path)
-            update = TrainerStep.resumed(loaded, self.settings)
+            update = TrainerStep.resumed(loaded, self.settings, self.temperature)
             recorded = loaded.manifest["metadata"].get("trainer")
             if recorded is not None and recorded != self.settings.model_dump(mode="json"):
                 log.warning("%s trainer settings differ from those in %s; the checkpoint's weights are used, the new"
@@ -180,7 +182,7 @@ class PolicyTrainer:
         warm_start = None
         if self.warm_start is not None:
             policy, warm_start = self.warm_start(policy)
-        update = TrainerStep(policy, self.settings)
+        update = TrainerStep(policy, self.settings, self.temperature)
         version = self._write(update, version=0, step=0, train_step=None, warm_start=warm_start)
         log.info("%s trainer created version 0 at %s", self.role, version.info.path)
         return update, version
@@ -190,7 +192,7 @@ class PolicyTrainer:
         metadata = {
             **({"warm_start": warm_start} if warm_start is not None else {}),
             "role": self.role, "version": version, "step": step, "run_id": self.run_id,
-            "trainer": self.settings.model_dump(mode="json"),
+            "trainer": self.settings.model_dump(mode="json"), "temperature": self.temperature,
             "train_step": json.loads(train_step.model_dump_json()) if train_step is not None else None,
             "published_at": (train_step.occurred_at if train_step is not None else datetime.now(UTC)).isoformat(),
         }

@@ -39,6 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
+import yaml
 from rich.console import Group
 
 from infra.admin import create_topics
@@ -55,6 +56,8 @@ from schemas.codec import encode
 from schemas.runs import StopRequested
 from schemas.topics import CONTROL
 
+RUN_CONFIG = "config.yaml"
+"""The run's resolved settings in its run directory, read by every worker process of the run."""
 QUIET_S = 3.0
 """A drained run has published nothing for at least this long."""
 
@@ -62,10 +65,8 @@ QUIET_S = 3.0
 class RunSupervisor:
     """Starts the broker and the workers of one run, watches them, and stops everything in order."""
 
-    def __init__(self, settings: Settings, config: Path, env_overrides: dict[str, str], console) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings: Settings, console) -> None:  # type: ignore[no-untyped-def]
         self.settings = settings
-        self.config = config
-        self.env_overrides = env_overrides
         self.console = console
         self.run_dir = settings.run_dir
         self.run_id = settings.resolved_run_id
@@ -84,6 +85,7 @@ class RunSupervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_broker()
+            self._write_run_config()
             self.follower = LogFollower(self.settings, self.progress).start()
             for worker in self.workers:
                 self._spawn(worker)
@@ -120,18 +122,28 @@ class RunSupervisor:
         finally:
             admin.close()
 
-    def _environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "CRL_CONFIG"}  # CRL_* overrides reach the workers
-        env.update(self.env_overrides)
-        env.update({
-            "CRL_CONFIG": str(self.config.resolve()),
-            "CRL_RUN_DIR": str(self.run_dir.resolve()),
-            "CRL_RUN_ID": self.run_id,
-            "CRL_KAFKA__BOOTSTRAP_SERVERS": self.settings.kafka.bootstrap_servers or "",
-            "CRL_RUNNER__METRICS_INTERVAL_S": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
+    @property
+    def run_config(self) -> Path:
+        return self.run_dir / RUN_CONFIG
+
+    def _write_run_config(self) -> None:
+        """RUN_DIR/config.yaml: the run's resolved settings, the one source every worker process reads. It holds
+        credentials in the clear (a SASL password, a database URL), so only its owner may read it."""
+        settings = self.settings.model_copy(update={
+            "run_dir": self.run_dir.resolve(), "run_id": self.run_id,
+            # `crl run` watches the workers' metrics for its live view and its drain rule: every second.
+            "runner": self.settings.runner.model_copy(update={"metrics_interval_s": 1.0}),
         })
+        path = self.run_config
+        tmp = path.with_suffix(".tmp")
+        tmp.touch(mode=0o600)
+        tmp.write_text(yaml.safe_dump(settings.run_config(), sort_keys=False))
+        tmp.replace(path)
+
+    def _environment(self) -> dict[str, str]:
+        """The workers' environment: no CRL_* variable, so RUN_DIR/config.yaml is all their settings."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         return env
 
     def _spawn(self, worker: WorkerProcess) -> None:
@@ -140,8 +152,8 @@ class RunSupervisor:
         output = (logs / f"{worker.instance}.out").open("ab")
         try:
             worker.process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "--log-level", "warning", "worker", worker.kind,
-                 "--instance", worker.instance],
+                [sys.executable, "-m", "pipeline.cli", "--config", str(self.run_config.resolve()), "--log-level",
+                 "warning", "worker", worker.kind, "--instance", worker.instance],
                 env=self._environment(), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )

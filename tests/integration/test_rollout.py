@@ -37,9 +37,9 @@ SEEDER = Producer(worker="test", instance="test-0")
 def _run_env(bootstrap: str, run_dir: Path, **settings: str) -> dict[str, str]:
     env = _env(bootstrap, run_dir)
     env.update({
-        "CRL_SCHEDULER__STEPS": "3", "CRL_SCHEDULER__TASKS": json.dumps([{"env_id": ROOM, "max_turns": 5}]),
-        "CRL_SCHEDULER__EVAL_EVERY": "2", "CRL_SCHEDULER__EVAL_TASKS_PER_ENV": "2", "CRL_SCHEDULER__MERGE_EVERY": "2",
-        "CRL_SCHEDULER__TRAIN_POOL_SIZE": "20", "CRL_ROLLOUT__MAX_NEW_TOKENS": "4",
+        "CRL_SCHEDULER__STEPS": "3", "CRL_ENVS__TASKS": json.dumps([{"env_id": ROOM, "max_turns": 5}]),
+        "CRL_SCHEDULER__EVAL_EVERY": "2", "CRL_ENVS__EVAL_TASKS_PER_ENV": "2", "CRL_SCHEDULER__MERGE_EVERY": "2",
+        "CRL_ENVS__TRAIN_POOL_SIZE": "20", "CRL_ROLLOUT__GENERATION__MAX_NEW_TOKENS": "4",
         "CRL_ROLLOUT__MAX_CONCURRENT_EPISODES": "16", "CRL_ROLLOUT__METRICS_EVERY": "8",
     })
     env.update(settings)

@@ -30,8 +30,9 @@ CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"
 PRODUCER = Producer(worker="scheduler", instance="s-0")
 
 
-def _settings(**scheduler: object) -> Settings:
-    return Settings(scheduler={"steps": 6, "tasks": [{"env_id": "MiniHack-Room-Random-5x5-v0"}], **scheduler},
+def _settings(eval_tasks_per_env: int = 8, **scheduler: object) -> Settings:
+    return Settings(scheduler={"steps": 6, **scheduler},
+                    envs={"tasks": [{"env_id": "MiniHack-Room-Random-5x5-v0"}], "eval_tasks_per_env": eval_tasks_per_env},
                     actor_trainer={"group_size": 4, "groups_per_step": 2, "warmup_steps": 2})
 
 
@@ -129,9 +130,10 @@ def test_rollout_commits_no_further_than_its_oldest_unfinished_episode():
 def test_every_run_config_validates(path):
     settings = Settings(config=path)
     assert settings.config == path
-    assert settings.scheduler.tasks and settings.actor_trainer.group_size % 2 == 0
+    assert settings.envs.tasks and settings.actor_trainer.group_size % 2 == 0
     if path.name.startswith("paper-"):
-        assert settings.actor_trainer.group_size == 8 and settings.rollout.backend == "vllm"
+        assert settings.actor_trainer.group_size == 8 and settings.rollout.generation.backend == "vllm"
+        assert settings.extractor.generation.backend == "vllm"
         assert settings.actor_trainer.lr == 1e-6 and settings.extractor_trainer.buffer_size == 64
     else:
         assert settings.actor_trainer.model.path is None  # the tiny preset
@@ -143,8 +145,8 @@ def test_run_config_errors_name_the_problem(tmp_path):
     (tmp_path / "typo.yaml").write_text("schedular: {steps: 3}\n")
     with pytest.raises(ConfigError, match=r"unknown keys \['schedular'\]"):
         Settings(config=tmp_path / "typo.yaml")
-    (tmp_path / "env.yaml").write_text("scheduler: {tasks: [{env_id: Pong}]}\n")
-    with pytest.raises(ValidationError, match="unknown env ids in scheduler.tasks: \\['Pong'\\]"):
+    (tmp_path / "env.yaml").write_text("envs: {tasks: [{env_id: Pong}]}\n")
+    with pytest.raises(ValidationError, match="unknown env ids in envs.tasks: \\['Pong'\\]"):
         Settings(config=tmp_path / "env.yaml")
 
 

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from pipeline.actor.settings import SchedulerSettings
 from pipeline.envs.base import parse_action
 from pipeline.envs.registry import ENV_SPECS, draw_tasks, make_env, task_pool
 from pipeline.envs.settings import EnvSettings, TaskMix
@@ -204,7 +203,7 @@ def test_task_pools_are_fixed_and_train_and_eval_never_share_a_task():
 
 
 def test_mixture_draw_follows_the_weights_and_is_a_function_of_the_step():
-    mixture = SchedulerSettings(tasks=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0", weight=3.0),
+    mixture = EnvSettings(tasks=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0", weight=3.0),
                                        TaskMix(env_id="Sokoban-6x6-2box", weight=1.0)), train_pool_size=50)
     for step in range(5):
         drawn = draw_tasks(mixture, step, groups=8)
@@ -213,7 +212,7 @@ def test_mixture_draw_follows_the_weights_and_is_a_function_of_the_step():
         pool = set(task_pool("Sokoban-6x6-2box", "train", 50, 0))
         assert all(seed in pool for entry, seed in drawn if entry.env_id == "Sokoban-6x6-2box")
     assert draw_tasks(mixture, 0, 8) != draw_tasks(mixture, 1, 8)
-    even = SchedulerSettings(tasks=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"), TaskMix(env_id="Sokoban-6x6-2box"),
+    even = EnvSettings(tasks=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"), TaskMix(env_id="Sokoban-6x6-2box"),
                                     TaskMix(env_id="MiniHack-MazeWalk-9x9-v0")))
     counts = [len(draw_tasks(even, step, groups=4)) for step in range(6)]
     assert counts == [4] * 6

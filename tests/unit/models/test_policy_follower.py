@@ -10,6 +10,7 @@ from pipeline.errors import CheckpointError
 from pipeline.models import TinyModelSettings, build_tiny, save_checkpoint
 from pipeline.models.checkpoints import checkpoint_path
 from pipeline.models.policy_follower import PolicyFollower, load_published
+from pipeline.models.settings import GenerationSettings
 from schemas.base import Producer
 from schemas.training import PolicyPublished
 
@@ -59,7 +60,7 @@ def test_the_rollout_worker_keeps_its_version_when_a_new_one_is_refused(publishe
     from workers.rollout import Rollout
 
     rollout = Rollout.__new__(Rollout)
-    rollout.settings = type("S", (), {"backend": "transformers", "device": "cpu", "generation_micro_batch": 8})()
+    rollout.generation = GenerationSettings(micro_batch=8)
     rollout.seed_base = 0
     rollout.follower = PolicyFollower(KafkaSettings(bootstrap_servers="127.0.0.1:1"), "actor")  # never started
     rollout.player = EpisodePlayer.__new__(EpisodePlayer)

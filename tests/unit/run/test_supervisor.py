@@ -76,7 +76,7 @@ def test_last_metrics_reads_the_tail_of_a_worker_file(tmp_path):
 
 def test_a_run_is_drained_once_quiet_and_every_live_worker_reported_twice_without_lag(tmp_path):
     settings = _settings(tmp_path, "grpo")
-    supervisor = RunSupervisor(settings, Path("c.yaml"), {}, Console(file=open("/dev/null", "w")))
+    supervisor = RunSupervisor(settings, Console(file=open("/dev/null", "w")))
     sleepers = []
     try:
         for worker in supervisor.workers:
@@ -113,3 +113,27 @@ def test_a_run_starts_in_an_empty_directory(tmp_path):
     (tmp_path / "used" / "archive").mkdir()
     with pytest.raises(ConfigError, match="not empty"):
         check_run_dir(tmp_path / "used")
+
+
+def test_workers_read_the_run_config_and_nothing_from_the_environment(tmp_path, monkeypatch):
+    """`crl run` hands its workers their settings in one file, RUN_DIR/config.yaml, and no CRL_* variable."""
+    monkeypatch.setenv("CRL_SCHEDULER__STEPS", "99")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = Settings(config=Path(__file__).resolve().parents[3] / "configs" / "tiny-minihack-room.yaml",
+                        run_dir=tmp_path / "run", scheduler={"steps": 3},
+                        kafka={"bootstrap_servers": "127.0.0.1:9", "sasl_mechanism": "PLAIN",
+                               "sasl_plain_username": "crl", "sasl_plain_password": "s3cret"})
+    supervisor = RunSupervisor(settings, Console(file=open("/dev/null", "w")))
+    settings.run_dir.mkdir()
+    supervisor._write_run_config()
+    path = settings.run_dir / "config.yaml"
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds the SASL password in the clear
+    monkeypatch.delenv("CRL_SCHEDULER__STEPS")
+    child = Settings(config=path)
+    assert child.scheduler.steps == 3 and child.runner.metrics_interval_s == 1.0
+    assert child.run_dir == settings.run_dir.resolve() and child.run_id == "run"
+    assert child.kafka.sasl_plain_password.get_secret_value() == "s3cret"  # type: ignore[union-attr]
+    assert child.actor_trainer == settings.actor_trainer and child.envs == settings.envs
+    environment = supervisor._environment()
+    assert not [name for name in environment if name.startswith("CRL_")]
+    assert environment["HOME"] == str(tmp_path) and environment["HF_HUB_OFFLINE"] == "1"
