@@ -47,7 +47,11 @@ from infra.db import (
     extractor_batches,
 )
 from pipeline.bank.state import BankState, Experience, ExperienceVersion
-from pipeline.errors import ConfigError, HashMismatchError, InvalidArgumentError, UnknownItemError
+from pipeline.errors import (
+    HashMismatchError,
+    InvalidArgumentError,
+    UnknownItemError,
+)
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
@@ -114,7 +118,7 @@ class BankStore:
     def __init__(self, engine: Engine) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise ConfigError(f"BankStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise InvalidArgumentError(f"BankStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
         self.engine = engine
         insert = _INSERTS[dialect]
 

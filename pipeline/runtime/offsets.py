@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from infra.db import consumer_offsets
-from pipeline.errors import ConfigError, InvalidArgumentError
+from pipeline.errors import InvalidArgumentError
 
 TopicPartition = tuple[str, int]
 """A Kafka partition as (topic name, partition number)."""
@@ -46,7 +46,7 @@ class SqlOffsetStore:
     def __init__(self, engine: Engine, worker: str) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise ConfigError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise InvalidArgumentError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
         self.engine = engine
         self.worker = worker
         self._insert = _INSERTS[dialect]
