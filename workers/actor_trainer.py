@@ -5,7 +5,7 @@
 It reads `crl.trajectories` in assign mode with its own positions, collects the train-split episodes of the next step
 until the step's `groups_per_step` groups of `group_size` slots are complete (or `group_timeout_s` passes: complete
 groups train, incomplete ones are dropped and listed in the event), sorts them canonically (group id, slot), and -
-after the warm-up steps, which only fill the bank - runs one update (`pipeline.rl.update.policy_step`): advantages
+after the warm-up steps, which only fill the bank - runs one update (`pipeline.rl.training.TrainerStep`): advantages
 normalised inside the guided and the free half of each group, one sample per turn, the clipped ratio against the
 recorded sampling log-probs, AdamW, gradient clip. It writes the checkpoint, then publishes `PolicyPublished(actor)`
 and `TrainStepCompleted`, then commits its positions.
@@ -37,11 +37,11 @@ from pipeline.rl.training import (
 )
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
-from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import OffsetStore, Position
 from pipeline.settings import Settings
-from schemas.base import Producer
-from schemas.topics import TRAJECTORIES
+from schemas.base import Event, Producer
+from schemas.topics import POLICY, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
@@ -121,14 +121,15 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
                                            settings.rollout.history_turns)
 
 
-class ActorTrainer(Source):
+class ActorTrainer(Worker):
     name = "actor_trainer"
-    inputs = (TRAJECTORIES,)
+    consumes = (TRAJECTORIES,)
     consumption = "assign"
+    produces = (POLICY, TRAIN_STEPS)
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.actor_trainer
-        self.kafka = context.kafka
+        self.log = context.log
         self.frozen = context.settings.scheduler.arm == "exp_only"
         self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
                                      context.settings.resolved_run_id,
@@ -148,24 +149,25 @@ class ActorTrainer(Source):
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return _PendingAwarePositions(context.sql_offset_store(self.name), self.collector)
 
-    def run(self, io: SourceIO) -> None:
-        for event in unpublished(self.trainer.current, self.kafka):
+    def start(self, io: WorkerIO) -> None:
+        for event in unpublished(self.trainer.current, self.log):
             log.info("publishing %s of version %d (written before the last stop, not yet on the log)", event.kind,
                      self.trainer.current.version)
             io.publish(event)
         io.commit()
-        while not io.stopping:
-            polled = False
-            for event, origin in io.poll():
-                polled = True
-                if isinstance(event, TrajectoryCompleted):
-                    self.collector.add(event, (origin.topic, origin.partition), origin.offset, time.monotonic())
-            while (closed := self.collector.close(time.monotonic())) is not None:
-                self.train(closed, io)
-            if polled:
-                io.commit()  # positions stop at the oldest episode not yet trained (`_PendingAwarePositions`)
 
-    def train(self, closed: ClosedStep, io: SourceIO) -> None:
+    def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if isinstance(event, TrajectoryCompleted):
+            self.collector.add(event, (origin.topic, origin.partition), origin.offset, time.monotonic())
+        return []
+
+    def after_poll(self, io: WorkerIO) -> None:
+        """Train every step that closed; the runner then commits positions that stop at the oldest episode not yet
+        trained (`_PendingAwarePositions`)."""
+        while (closed := self.collector.close(time.monotonic())) is not None:
+            self.train(closed, io)
+
+    def train(self, closed: ClosedStep, io: WorkerIO) -> None:
         if self.frozen:
             log.info("arm exp_only: the actor stays at version 0; step %d (%d episodes) is not trained", closed.step,
                      len(closed.trajectories))
@@ -182,7 +184,7 @@ class ActorTrainer(Source):
                  event.metrics.get("rollout/success_guided", float("nan")),
                  event.metrics.get("rollout/success_free", float("nan")))
 
-    def publish_version(self, version, io: SourceIO) -> None:  # type: ignore[no-untyped-def]
+    def publish_version(self, version, io: WorkerIO) -> None:  # type: ignore[no-untyped-def]
         for event in events_of(version):
             io.publish(event)
         io.commit()

@@ -18,16 +18,16 @@ from typing import Any
 
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.runtime.context import WorkerContext
-from pipeline.runtime.runner import Origin, Processor
+from pipeline.runtime.runner import Origin, Worker
 from schemas.base import Event
 from schemas.topics import TOPICS
 
 log = logging.getLogger(__name__)
 
 
-class Archiver(Processor):
+class Archiver(Worker):
     name = "archiver"
-    inputs = TOPICS
+    consumes = TOPICS
     consumption = "assign"
 
     def __init__(self, root: Path, flush_rows: int = 2000, flush_interval_s: float = 2.0) -> None:

@@ -22,18 +22,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.snapshots import restore_newest, snapshots_root, write_snapshot
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
-from pipeline.runtime.runner import Origin, Processor
+from pipeline.runtime.runner import Origin, Worker
 from pipeline.runtime.transport import OffsetStore, Position
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated
-from schemas.topics import EXPERIENCE_OPS_TOPIC, EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
+from schemas.topics import BANK_SNAPSHOTS, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
@@ -63,10 +64,12 @@ class _BankPositions:
             self.others.save(others)
 
 
-class BankProjection(Processor):
+class BankProjection(Worker):
     name = "bank"
-    inputs = (EXPERIENCE_OPS_TOPIC, TRAJECTORIES, EXTRACTIONS, TRAIN_STEPS)
+    consumes = (EXPERIENCE_OPS_TOPIC, TRAJECTORIES, EXTRACTIONS, TRAIN_STEPS)
     consumption = "assign"
+    produces = (BANK_SNAPSHOTS,)
+    arms = ARMS_WITH_A_BANK
 
     def __init__(self, store: BankStore, context: WorkerContext) -> None:
         self.store = store

@@ -21,7 +21,10 @@ chunks of `merge_chunk`, the newest experience a chunk produced sliding into the
 `ExperienceRefined`.
 
 Policy versions: `crl.policy` is followed for the extractor role; a newer version is loaded (sha256 checked)
-between batches. The worker waits for version 0 before it reads anything.
+between batches. Until version 0 is published the worker holds what it receives (and commits no position past it).
+
+The runner hands every trajectory and merge request to `handle`, which holds it; after each poll (`after_poll`) the
+held trajectories are distilled in batches of `batch_size`, then the held merges run, then positions are committed.
 
 Arms: in `grpo` there is no bank, so the worker only acknowledges its inputs.
 """
@@ -35,8 +38,8 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 
-from infra.admin import high_watermarks
-from infra.kafka import make_consumer
+from pipeline.actor.settings import ARMS_WITH_A_BANK
+from pipeline.bank.replica import BankReplica
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
     ParseError,
@@ -55,7 +58,8 @@ from pipeline.extractor.protocol import (
 from pipeline.models.base import Generation, PolicyModel, SamplingParams
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
-from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
+from pipeline.runtime.transport import Position
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
@@ -67,7 +71,7 @@ from schemas.experiences import (
 )
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested
-from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, TRAJECTORIES
+from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, POLICY, TRAJECTORIES
 from schemas.trajectories import ExperienceRef, TrajectoryCompleted
 
 log = logging.getLogger(__name__)
@@ -93,21 +97,24 @@ class Shown:
         return ExperienceRef(experience_id=self.experience_id, version=self.version, generation_id=self.generation_id)
 
 
-class Extractor(Source):
+class Extractor(Worker):
     name = "extractor"
-    inputs = (TRAJECTORIES, CONTROL)
+    consumes = (TRAJECTORIES, CONTROL)
     consumption = "group"
+    produces = (EXTRACTIONS, EXPERIENCE_OPS_TOPIC)
+    follows = (POLICY, EXPERIENCE_OPS_TOPIC)
+    arms = ARMS_WITH_A_BANK
+    instances = "extractor_workers"
 
     def __init__(self, context: WorkerContext) -> None:
         settings = context.settings
         self.context = context
         self.settings = settings.extractor
         self.arm = settings.scheduler.arm
-        self.kafka = context.kafka
         self.run_id = settings.resolved_run_id
         self.embedding_model = settings.embedding.model
         self.producer = Producer(worker=self.name, instance=context.instance)
-        self.follower = PolicyFollower(self.kafka, "extractor", client_id=f"{context.instance}-policy")
+        self.follower = PolicyFollower(context.follow, "extractor")
         self.generation = self.settings.generation
         self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
         self.sampling = SamplingParams(
@@ -116,9 +123,11 @@ class Extractor(Source):
         self.policy: PolicyModel | None = None
         self.version = -1
         self.calls = 0
-        self.replica = None
+        self.replica: BankReplica | None = None
         self.encoder = None
-        self._ends = None
+        self.held: list[tuple[TrajectoryCompleted | MergeRequested, Origin]] = []
+        """Trajectories to distil and merges to run, in arrival order, with where they were read."""
+        self._last_wait_log = 0.0
         self.statuses: Counter[str] = Counter()
         self.op_kinds: Counter[str] = Counter()
 
@@ -126,53 +135,58 @@ class Extractor(Source):
     def build(cls, context: WorkerContext) -> Extractor:
         return cls(context)
 
-    # -- the loop -------------------------------------------------------------------------------------------------
+    # -- the worker -----------------------------------------------------------------------------------------------
 
-    def run(self, io: SourceIO) -> None:
+    def start(self, io: WorkerIO) -> None:
         if self.arm == "grpo":
             log.info("arm grpo has no experience bank: acknowledging inputs without distilling")
-            while not io.stopping:
-                if list(io.poll()):
-                    io.commit()
             return
-        self._start(io)
-        while not io.stopping:
-            trajectories: list[TrajectoryCompleted] = []
-            merges: list[MergeRequested] = []
-            polled = False
-            for event, _origin in io.poll():
-                polled = True
-                if event.run_id != self.run_id:
-                    continue
-                if isinstance(event, TrajectoryCompleted) and self._distils(event):
-                    trajectories.append(event)
-                elif isinstance(event, MergeRequested):
-                    merges.append(event)
-            self._follow_policy()
-            size = self.settings.batch_size
-            for start in range(0, len(trajectories), size):
-                self.distill(trajectories[start:start + size], io)
-            for merge in merges:
-                self.merge(merge, io)
-            if polled:
-                io.commit()
-
-    def _start(self, io: SourceIO) -> None:
         from pipeline.bank.embeddings import load_sentence_encoder
-        from pipeline.bank.replica import BankReplica
 
         settings = self.context.settings
         self.follower.start()
-        self.replica = BankReplica(self.kafka, settings.run_dir, settings.bank.exact_threshold).start()
+        self.replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
+                                   settings.run_dir, settings.bank.exact_threshold).start()
         self.encoder = load_sentence_encoder(self.embedding_model)
-        self._ends = make_consumer(self.kafka, client_id=f"{self.context.instance}-op-ends")
-        waited = time.monotonic()
-        while self.policy is None and not io.stopping:
-            if self.follower.wait_for(0, 1.0) is not None:
-                self._follow_policy()
-            if time.monotonic() - waited > 30:
-                waited = time.monotonic()
-                log.info("waiting for extractor version 0 on crl.policy (the extractor trainer publishes it)")
+
+    def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if self.arm == "grpo" or event.run_id != self.run_id:
+            return []
+        if isinstance(event, TrajectoryCompleted) and self._distils(event) or isinstance(event, MergeRequested):
+            self.held.append((event, origin))  # type: ignore[arg-type]
+        return []
+
+    def committable(self, positions: dict[Position, int]) -> dict[Position, int]:
+        held: dict[Position, int] = {}
+        for _, origin in self.held:
+            position = (origin.topic, origin.partition)
+            held[position] = min(origin.offset, held.get(position, origin.offset))
+        return {p: min(offset, held.get(p, offset)) for p, offset in positions.items()}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held) and self.policy is not None
+
+    def after_poll(self, io: WorkerIO) -> None:
+        if self.arm == "grpo":
+            return
+        self.held = [(event, origin) for event, origin in self.held if io.owns((origin.topic, origin.partition))]
+        self._follow_policy()
+        if self.policy is None:
+            now = time.monotonic()
+            if self.held and now - self._last_wait_log > 30:
+                self._last_wait_log = now
+                log.info("waiting for extractor version 0 on crl.policy (the extractor trainer publishes it); "
+                         "%d inputs held", len(self.held))
+            return
+        held, self.held = self.held, []
+        trajectories = [event for event, _ in held if isinstance(event, TrajectoryCompleted)]
+        size = self.settings.batch_size
+        for start in range(0, len(trajectories), size):
+            self.distill(trajectories[start:start + size], io)
+        for event, _ in held:
+            if isinstance(event, MergeRequested):
+                self.merge(event, io)
 
     def _distils(self, trajectory: TrajectoryCompleted) -> bool:
         if trajectory.split != "train":
@@ -205,8 +219,8 @@ class Extractor(Source):
 
     def _sync(self) -> None:
         """Let the replica apply every op on the log now, our own included (read your writes)."""
-        assert self.replica is not None and self._ends is not None
-        end = high_watermarks(self._ends, EXPERIENCE_OPS_TOPIC.name, 1)[0]
+        assert self.replica is not None
+        end = self.context.log.end_offsets(EXPERIENCE_OPS_TOPIC)[0]
         if not self.replica.wait_for_offset(end, self.settings.replica_wait_s):
             log.warning("bank replica at offset %d, not %d, after %.1fs; going on with what it has",
                         self.replica.offset, end, self.settings.replica_wait_s)
@@ -225,7 +239,7 @@ class Extractor(Source):
                                    experience.text))
         return shown
 
-    def distill(self, trajectories: list[TrajectoryCompleted], io: SourceIO) -> None:
+    def distill(self, trajectories: list[TrajectoryCompleted], io: WorkerIO) -> None:
         """One batched generation over `trajectories`; publish every generation and its ops, then commit."""
         s = self.settings
         self._sync()
@@ -304,14 +318,14 @@ class Extractor(Source):
             op_ids=tuple(op.op_id for op in ops),  # type: ignore[attr-defined]
         )
 
-    def _publish(self, io: SourceIO, generation: ExtractionGenerated, ops: list[Event]) -> None:
+    def _publish(self, io: WorkerIO, generation: ExtractionGenerated, ops: list[Event]) -> None:
         io.publish(generation)
         for op in ops:
             io.publish(op)
 
     # -- merging --------------------------------------------------------------------------------------------------
 
-    def merge(self, request: MergeRequested, io: SourceIO) -> None:
+    def merge(self, request: MergeRequested, io: WorkerIO) -> None:
         """Consolidate every family of `request` chunk by chunk; publish as it goes, then commit."""
         assert self.replica is not None
         self._sync()
@@ -335,7 +349,7 @@ class Extractor(Source):
         io.commit()
         log.info("merge %s: %d generations in %.2fs", request.merge_id, generations, time.perf_counter() - started)
 
-    def _merge_chunk(self, io: SourceIO, request: MergeRequested, family: str, generation_id: str,
+    def _merge_chunk(self, io: WorkerIO, request: MergeRequested, family: str, generation_id: str,
                      members: list[Shown]) -> Shown | None:
         """One merge generation over `members`; returns what slides into the next chunk."""
         generation = self._generate([merge_prompt(family, [m.text for m in members])])[0]
@@ -371,10 +385,3 @@ class Extractor(Source):
             generation_id, "merge", family, request.step, (), [m.ref() for m in members], generation, error, ops),
             ops)
         return carry
-
-    def close(self) -> None:
-        self.follower.stop()
-        if self.replica is not None:
-            self.replica.stop()
-        if self._ends is not None:
-            self._ends.close(autocommit=False)

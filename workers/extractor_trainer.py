@@ -23,18 +23,17 @@ import logging
 import statistics
 import time
 
-from infra.admin import high_watermarks
-from infra.kafka import make_consumer
+from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
 from pipeline.rl.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import FromTheStart
-from pipeline.runtime.runner import Source, SourceIO
-from pipeline.runtime.transport import OffsetStore, Position
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
+from pipeline.runtime.transport import OffsetStore
 from pipeline.settings import Settings
-from schemas.base import Producer
+from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated
-from schemas.topics import EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
+from schemas.topics import EXTRACTIONS, POLICY, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
@@ -56,14 +55,16 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
                                                settings.extractor)
 
 
-class ExtractorTrainer(Source):
+class ExtractorTrainer(Worker):
     name = "extractor_trainer"
-    inputs = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
+    consumes = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
     consumption = "assign"
+    produces = (POLICY, TRAIN_STEPS)
+    arms = ARMS_WITH_A_BANK
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.extractor_trainer
-        self.kafka = context.kafka
+        self.log = context.log
         self.arm = context.settings.scheduler.arm
         self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
                                      context.settings.resolved_run_id,
@@ -71,6 +72,7 @@ class ExtractorTrainer(Source):
                                      warm_start=extractor_warm_start(context.settings),
                                      temperature=context.settings.extractor.generation.temperature)
         self.join = ExtractorJoin()
+        self._started: float | None = None
 
     @classmethod
     def build(cls, context: WorkerContext) -> ExtractorTrainer:
@@ -79,32 +81,12 @@ class ExtractorTrainer(Source):
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return FromTheStart()  # the join state is rebuilt by reading every input from offset 0
 
-    def _ends(self) -> dict[Position, int]:
-        consumer = make_consumer(self.kafka, client_id=f"{self.name}-catch-up")
-        try:
-            return {(topic.name, p): end for topic in self.inputs
-                    for p, end in high_watermarks(consumer, topic.name, topic.partitions).items()}
-        finally:
-            consumer.close(autocommit=False)
-
-    def _consume(self, io: SourceIO) -> None:
-        for event, _origin in io.poll():
-            if isinstance(event, ExtractionGenerated):
-                self.join.add_extraction(event)
-            elif isinstance(event, TrajectoryCompleted):
-                self.join.add_trajectory(event)
-            elif isinstance(event, TrainStepCompleted):
-                self.join.add_train_step(event)
-
-    def run(self, io: SourceIO) -> None:
-        ends = self._ends()
-        started = time.monotonic()
-        while not io.stopping and any(io.positions().get(p, 0) < end for p, end in ends.items()):
-            self._consume(io)
-        log.info("extractor join rebuilt from the log in %.1fs: %d generations, %d credited, %d ready",
-                 time.monotonic() - started, len(self.join.generations), len(self.join.outcomes),
-                 len(self.join.ready()))
-        for event in unpublished(self.trainer.current, self.kafka):
+    def start(self, io: WorkerIO) -> None:
+        """Note where the inputs end now (the join is rebuilt up to there before any training), and publish what a
+        crash between checkpoint and publish left unpublished."""
+        io.caught_up()
+        self._started = time.monotonic()
+        for event in unpublished(self.trainer.current, self.log):
             log.info("publishing %s of version %d (written before the last stop, not yet on the log)", event.kind,
                      self.trainer.current.version)
             io.publish(event)
@@ -114,16 +96,30 @@ class ExtractorTrainer(Source):
         if self.arm in FROZEN_EXTRACTOR_ARMS:
             log.info("arm %s: the extractor stays at version %d and is not trained", self.arm,
                      self.trainer.current.version)
-            while not io.stopping:
-                self._consume(io)
-            return
-        while not io.stopping:
-            self._consume(io)
-            while (batch := self.join.batch(self.trainer.current.version + 1, self.settings.buffer_size,
-                                            self.settings.count_alpha, self.settings.count_delta)) is not None:
-                self.train(batch, io)
 
-    def train(self, batch: ExtractorBatch, io: SourceIO) -> None:
+    def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if isinstance(event, ExtractionGenerated):
+            self.join.add_extraction(event)
+        elif isinstance(event, TrajectoryCompleted):
+            self.join.add_trajectory(event)
+        elif isinstance(event, TrainStepCompleted):
+            self.join.add_train_step(event)
+        return []
+
+    def after_poll(self, io: WorkerIO) -> None:
+        """Once the join is rebuilt from the log, train every batch it can form."""
+        if self.arm in FROZEN_EXTRACTOR_ARMS or not io.caught_up():
+            return
+        if self._started is not None:
+            log.info("extractor join rebuilt from the log in %.1fs: %d generations, %d credited, %d ready",
+                     time.monotonic() - self._started, len(self.join.generations), len(self.join.outcomes),
+                     len(self.join.ready()))
+            self._started = None
+        while (batch := self.join.batch(self.trainer.current.version + 1, self.settings.buffer_size,
+                                        self.settings.count_alpha, self.settings.count_delta)) is not None:
+            self.train(batch, io)
+
+    def train(self, batch: ExtractorBatch, io: WorkerIO) -> None:
         step = self.trainer.current.version + 1
         started = time.perf_counter()
         before = self.trainer.weight_hash
@@ -151,7 +147,7 @@ class ExtractorTrainer(Source):
         log.info("extractor step %d: loss %.5f, clip %.3f, reward mean %.3f over %d generations", step, result.loss,
                  result.clip_fraction, metrics["extractor/reward_mean"], len(batch.event_ids))
 
-    def publish_version(self, version, io: SourceIO) -> None:  # type: ignore[no-untyped-def]
+    def publish_version(self, version, io: WorkerIO) -> None:  # type: ignore[no-untyped-def]
         for event in events_of(version):
             io.publish(event)
         io.commit()

@@ -2,8 +2,9 @@
 
     crl worker rollout --run-dir runs/demo          # as many instances as you like: they share crl.tasks as a group
 
-One loop, one thread:
-1. poll `crl.tasks` (consumer group) without blocking while episodes are in flight; queue the assignments;
+The runner polls `crl.tasks` (a consumer group) and hands every assignment to `handle`, which queues it; after every
+poll (`after_poll`, without blocking while episodes are in flight):
+1. drop queued assignments of partitions that moved to another member; load a newer actor version if one is due;
 2. admit queued episodes up to `max_concurrent_episodes`: reset the environment from the task seed; guided slots
    retrieve the top experience for their query (goal + first observation) through the bank replica — all new guided
    episodes in one batched call (one embedding call, one index search) — and record the served refs and the bank
@@ -14,10 +15,10 @@ One loop, one thread:
    the consumed positions — held back to the oldest episode not yet finished, so a stop or a crash re-plays exactly
    the unfinished ones (their ids are deterministic, downstream dedupes).
 
-Policy versions: a background follower reads `crl.policy`; a newer actor version is loaded (sha256 checked) only when
-no episode is in flight, so every trajectory is played by one version, which it records. An assignment that names a
-newer version than the one loaded (the staleness bound) waits for it. Between turns the loop polls Kafka, so long
-episodes never make the worker leave its consumer group.
+It follows `crl.policy` (a newer actor version is loaded, sha256 checked, only when no episode is in flight, so every
+trajectory is played by one version, which it records; an assignment that names a newer version than the one loaded,
+the staleness bound, waits for it) and `crl.experience-ops` (the bank replica guided episodes are served from). The
+runner polls between turns, so long episodes never make the worker leave its consumer group.
 
 Search-and-ask (off by default, `CRL_ROLLOUT__SEARCH_AND_ASK`): a guided episode may answer `ask <question>` up to
 `max_ask_calls` times; the bank is searched with the question and the experience found is shown on the next turn
@@ -34,27 +35,29 @@ from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
-from pipeline.runtime.runner import Origin, Source, SourceIO
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import Position
-from schemas.base import Producer
+from schemas.base import Event, Producer
 from schemas.tasks import EpisodeAssigned
-from schemas.topics import TASKS
+from schemas.topics import EXPERIENCE_OPS_TOPIC, POLICY, TASKS, TRAJECTORIES
 from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
 
-class Rollout(Source):
+class Rollout(Worker):
     name = "rollout"
-    inputs = (TASKS,)
+    consumes = (TASKS,)
     consumption = "group"
+    produces = (TRAJECTORIES,)
+    follows = (POLICY, EXPERIENCE_OPS_TOPIC)
+    instances = "rollout_workers"
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         self.settings = context.settings.rollout
-        self.kafka = context.kafka
         self.run_id = context.settings.resolved_run_id
-        self.follower = PolicyFollower(self.kafka, "actor", client_id=f"{context.instance}-policy")
+        self.follower = PolicyFollower(context.follow, "actor")
         self.generation = self.settings.generation
         self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
         self.player = EpisodePlayer(self.settings, context.settings.envs, run_id=self.run_id,
@@ -81,24 +84,34 @@ class Rollout(Source):
             pending[position] = min(offset, pending.get(position, offset))
         return {p: min(offset, pending.get(p, offset)) for p, offset in positions.items()}
 
-    # -- the loop -------------------------------------------------------------------------------------------------
+    # -- the worker -----------------------------------------------------------------------------------------------
 
-    def run(self, io: SourceIO) -> None:
+    def start(self, io: WorkerIO) -> None:
         self.follower.start()
-        while not io.stopping:
-            for event, origin in io.poll(0 if self.player.active else None):
-                if isinstance(event, EpisodeAssigned) and event.run_id == self.run_id:
-                    self.queue.append((event, origin))
-            self.queue = deque((a, o) for a, o in self.queue if io.owns((o.topic, o.partition)))
-            self._follow_policy()
-            self._admit()
-            if self.player.active:
-                finished = self.player.play_turn()
-                for trajectory in finished:
-                    io.publish(trajectory)
-                if finished:
-                    io.commit()
-                    self._log_metrics(finished)
+
+    def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if isinstance(event, EpisodeAssigned) and event.run_id == self.run_id:
+            self.queue.append((event, origin))
+        return []
+
+    def poll_timeout_ms(self) -> int | None:
+        return 0 if self.player.active else None  # episodes in flight: play on, take what has arrived
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.player.active or self.queue)
+
+    def after_poll(self, io: WorkerIO) -> None:
+        self.queue = deque((a, o) for a, o in self.queue if io.owns((o.topic, o.partition)))
+        self._follow_policy()
+        self._admit()
+        if self.player.active:
+            finished = self.player.play_turn()
+            for trajectory in finished:
+                io.publish(trajectory)
+            if finished:
+                io.commit()
+                self._log_metrics(finished)
 
     def _newer_version(self) -> PolicyPublished | None:
         return self.follower.newer_than(self.player.version)
@@ -136,7 +149,8 @@ class Rollout(Source):
         from pipeline.bank.retrieval import Retriever
 
         settings = self.context.settings
-        self._replica = BankReplica(self.kafka, settings.run_dir, settings.bank.exact_threshold).start()
+        self._replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
+                                    settings.run_dir, settings.bank.exact_threshold).start()
         if not self._replica.wait_caught_up(self.settings.replica_wait_s):
             log.warning("bank replica not caught up after %.1fs; serving from offset %d (recorded per episode)",
                         self.settings.replica_wait_s, self._replica.offset)
@@ -151,10 +165,7 @@ class Rollout(Source):
             self.finished_window = []
 
     def close(self) -> None:
-        self.follower.stop()
         if self.player.retriever is not None:
             self.player.retriever.close()
-        if self._replica is not None:
-            self._replica.stop()
         self.player.close()
         self._blas_limit.restore_original_limits()

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.envs.registry import draw_tasks, env_spec, task_pool
 from pipeline.provenance import code_version, resolved_config
-from pipeline.rl.training import read_to_end
 from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.log import events_to_end
 from pipeline.runtime.offsets import FromTheStart
-from pipeline.runtime.runner import Source, SourceIO
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import OffsetStore
 from pipeline.settings import Settings
 from schemas.base import Event, Producer
@@ -126,14 +126,16 @@ class _StepRecord:
     eval_reported: bool = False
 
 
-class Scheduler(Source):
+class Scheduler(Worker):
     name = "scheduler"
-    inputs = (POLICY, TRAJECTORIES, CONTROL)
+    consumes = (POLICY, TRAJECTORIES, CONTROL)
     consumption = "assign"
+    produces = (RUNS, CONTROL, TASKS)
+    clock = True
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings
-        self.kafka = context.kafka
+        self.log = context.log
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.actor_version = -1
@@ -142,6 +144,10 @@ class Scheduler(Source):
         self.steps: dict[int, _StepRecord] = {}
         self.stop_request: StopRequested | None = None
         self.last_eval: dict[str, float] = {}
+        self.on_log: set[uuid.UUID] = set()
+        """Ids of what this run's scheduler already published (read back at start, then added as it publishes)."""
+        self.next_step = 0
+        self.run_finished = False
         self._last_wait_log = 0.0
 
     @classmethod
@@ -151,44 +157,83 @@ class Scheduler(Source):
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return FromTheStart()
 
+    @property
+    def done(self) -> bool:
+        return self.run_finished
+
     # -- the schedule ---------------------------------------------------------------------------------------------
 
-    def run(self, io: SourceIO) -> None:
-        on_log = {e.event_id for topic in (RUNS, TASKS, CONTROL) for e in read_to_end(self.kafka, topic)
-                  if e.run_id == self.run_id}
-        finished_id = scheduled_id(self.run_id, "finished")
-        if finished_id in on_log:
+    def start(self, io: WorkerIO) -> None:
+        self.on_log = {e.event_id for topic in (RUNS, TASKS, CONTROL) for e in events_to_end(self.log, topic)
+                       if e.run_id == self.run_id}
+        if scheduled_id(self.run_id, "finished") in self.on_log:
             log.info("run %s already finished; nothing to schedule", self.run_id)
+            self.run_finished = True
             return
         started = RunStarted(event_id=scheduled_id(self.run_id, "started"), run_id=self.run_id,
                              producer=self.producer, config=resolved_config(self.settings),
                              code_version=code_version())
-        self._publish_missing(io, [started], on_log)
+        self._publish_missing(io, [started])
+
+    def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if event.run_id != self.run_id:
+            return []
+        if isinstance(event, PolicyPublished) and event.role == "actor":
+            self.actor_version = max(self.actor_version, event.version)
+        elif isinstance(event, PolicyPublished):
+            self.extractor_version = max(self.extractor_version, event.version)
+        elif isinstance(event, TrajectoryCompleted):
+            self.finished.setdefault(uuid.UUID(event.assignment_event_id), event)
+        elif isinstance(event, StopRequested):
+            self.stop_request = event
+        return []
+
+    def after_poll(self, io: WorkerIO) -> None:
+        """Issue every step that is due, in order; close the run once every episode is in (or on a stop)."""
+        if self.run_finished:
+            return
+        self._report()
         total = self.settings.scheduler.steps
-        for step in range(total):
-            train = train_assignments(self.settings, self.run_id, self.producer, step)
-            evaluation = eval_assignments(self.settings, self.run_id, self.producer, step) \
-                if eval_due(self.settings, step) else []
-            record = self.steps.setdefault(step, _StepRecord())
-            record.train_ids = {e.event_id for e in train}
-            record.eval_ids = {e.event_id for e in evaluation}
-            merge = [MergeRequested(
-                event_id=scheduled_id(self.run_id, "merge", step - 1), run_id=self.run_id, producer=self.producer,
-                merge_id=f"{self.run_id}-merge-{step - 1:06d}", step=step - 1,
-                task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
-            )] if merge_due(self.settings, step) else []
-            planned = merge + train + evaluation
-            if all(e.event_id in on_log for e in planned):
-                continue  # issued before a restart
-            if not self._wait(io, lambda step=step: self._ready(step), f"step {step}"):
-                return self._finish(io, "stopped", step)
-            self._publish_missing(io, planned, on_log)
-            log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s", step,
-                     len(train), sum(e.guided for e in train), len(evaluation), required_version(self.settings, step),
-                     ", merge requested" if merge else "")
-        if not self._wait(io, self._all_finished, "the last episodes"):
-            return self._finish(io, "stopped", total)
+        if self.stop_request is not None:
+            return self._finish(io, "stopped", self.next_step)
+        while self.next_step < total:
+            step = self.next_step
+            planned = self._planned(step)
+            if not all(e.event_id in self.on_log for e in planned):  # else issued before a restart
+                if not self._ready(step):
+                    return self._waiting(f"step {step}")
+                self._publish_missing(io, planned)
+                train = [e for e in planned if isinstance(e, EpisodeAssigned) and e.split == "train"]
+                log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s",
+                         step, len(train), sum(e.guided for e in train), len(self.steps[step].eval_ids),
+                         required_version(self.settings, step),
+                         ", merge requested" if any(isinstance(e, MergeRequested) for e in planned) else "")
+            self.next_step += 1
+        if not self._all_finished():
+            return self._waiting("the last episodes")
         self._finish(io, "completed", total)
+
+    def _planned(self, step: int) -> list[Event]:
+        """What step `step` publishes: a merge request if due, its train groups, its evaluation if due."""
+        train = train_assignments(self.settings, self.run_id, self.producer, step)
+        evaluation = eval_assignments(self.settings, self.run_id, self.producer, step) \
+            if eval_due(self.settings, step) else []
+        record = self.steps.setdefault(step, _StepRecord())
+        record.train_ids = {e.event_id for e in train}
+        record.eval_ids = {e.event_id for e in evaluation}
+        merge = [MergeRequested(
+            event_id=scheduled_id(self.run_id, "merge", step - 1), run_id=self.run_id, producer=self.producer,
+            merge_id=f"{self.run_id}-merge-{step - 1:06d}", step=step - 1,
+            task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
+        )] if merge_due(self.settings, step) else []
+        return [*merge, *train, *evaluation]
+
+    def _waiting(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_wait_log > 30:
+            self._last_wait_log = now
+            log.info("waiting for %s: actor version %d, %d episodes finished", what, self.actor_version,
+                     len(self.finished))
 
     def _ready(self, step: int) -> bool:
         needed = required_version(self.settings, step)
@@ -205,34 +250,6 @@ class Scheduler(Source):
     def _done(self, ids: set[uuid.UUID]) -> bool:
         return all(i in self.finished for i in ids)
 
-    def _wait(self, io: SourceIO, condition, what: str) -> bool:  # type: ignore[no-untyped-def]
-        """Poll the inputs until `condition()` holds; False if a stop came first (StopRequested or a signal)."""
-        while True:
-            self._poll(io)
-            if self.stop_request is not None or io.stopping:
-                return False
-            if condition():
-                return True
-            now = time.monotonic()
-            if now - self._last_wait_log > 30:
-                self._last_wait_log = now
-                log.info("waiting for %s: actor version %d, %d episodes finished", what, self.actor_version,
-                         len(self.finished))
-
-    def _poll(self, io: SourceIO) -> None:
-        for event, _origin in io.poll():
-            if event.run_id != self.run_id:
-                continue
-            if isinstance(event, PolicyPublished) and event.role == "actor":
-                self.actor_version = max(self.actor_version, event.version)
-            elif isinstance(event, PolicyPublished):
-                self.extractor_version = max(self.extractor_version, event.version)
-            elif isinstance(event, TrajectoryCompleted):
-                self.finished.setdefault(uuid.UUID(event.assignment_event_id), event)
-            elif isinstance(event, StopRequested):
-                self.stop_request = event
-        self._report()
-
     def _report(self) -> None:
         for step, record in sorted(self.steps.items()):
             if not record.reported and record.train_ids and self._done(record.train_ids):
@@ -244,23 +261,20 @@ class Scheduler(Source):
                 self.last_eval = episode_metrics([self.finished[i] for i in record.eval_ids], "eval")
                 log.info("step %d evaluation: %s", step, summary_line(self.last_eval, "eval"))
 
-    def _publish_missing(self, io: SourceIO, events: list[Event], on_log: set[uuid.UUID]) -> None:
+    def _publish_missing(self, io: WorkerIO, events: list[Event]) -> None:
         for event in events:
-            if event.event_id not in on_log:
+            if event.event_id not in self.on_log:
                 io.publish(event)
-                on_log.add(event.event_id)
+                self.on_log.add(event.event_id)
         io.commit()
 
-    def _finish(self, io: SourceIO, status: str, steps_completed: int) -> None:
+    def _finish(self, io: WorkerIO, status: str, steps_completed: int) -> None:
+        """`RunFinished`. Only a `StopRequested` stops the run early: a signal stops this process, and a restarted
+        scheduler carries on with the same schedule."""
         train = [t for t in self.finished.values() if t.split == "train"]
         metrics = {**episode_metrics(train, "train"), **self.last_eval}
-        reason = None
-        if status == "stopped":
-            reason = self.stop_request.reason if self.stop_request is not None else "the scheduler was stopped"
-            if self.stop_request is None:
-                # A signal stops this process, not the run: a restart carries on with the same schedule.
-                log.info("scheduler stopping before step %d; restart it to continue the run", steps_completed)
-                return
+        reason = self.stop_request.reason if status == "stopped" and self.stop_request is not None else None
+        self.run_finished = True
         io.publish(RunFinished(event_id=scheduled_id(self.run_id, "finished"), run_id=self.run_id,
                                producer=self.producer, status=status, steps_completed=steps_completed,
                                reason=reason, metrics=metrics))

@@ -11,21 +11,18 @@ mismatch (the command then exits 1).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafka import TopicPartition
-
-from infra.admin import topic_ids
-from infra.kafka import KafkaSettings, make_admin, make_consumer
+from infra.kafka import KafkaSettings
 from pipeline.audit.views import Audit
 from pipeline.bank.replay import Checkpoint, ReplayResult, replay
 from pipeline.bank.snapshots import restore_newest, snapshots_root
 from pipeline.bank.state import ExperienceOp
 from pipeline.bank.store import BankStore
-from pipeline.errors import ConfigError, HashMismatchError, RetryableError
+from pipeline.errors import ConfigError, HashMismatchError
+from pipeline.runtime.log import KafkaLog
 from schemas.codec import decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -59,30 +56,9 @@ def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, Experien
 
 
 def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, ExperienceOp]]:
-    """Every op from offset 0 up to the high watermark seen when reading starts (caught up via `highwater()`)."""
-    consumer = make_consumer(kafka, client_id="crl-replay")
-    partition = TopicPartition(EXPERIENCE_OPS_TOPIC.name, 0)
-    try:
-        consumer.assign([partition])
-        consumer.seek_to_beginning(partition)
-        target: int | None = None
-        last_progress = time.monotonic()
-        position = 0
-        while True:
-            batches = consumer.poll(timeout_ms=200)
-            for record in batches.get(partition, []):
-                position = record.offset + 1
-                last_progress = time.monotonic()
-                yield record.offset, decode(EXPERIENCE_OPS_TOPIC, record.value)  # type: ignore[misc]
-            if target is None:
-                target = consumer.highwater(partition)
-            if target is not None and position >= target:
-                return
-            if time.monotonic() - last_progress > idle_timeout_s:
-                raise RetryableError(f"no op records for {idle_timeout_s}s at offset {position} (high watermark {target})")
-    finally:
-        consumer.close(autocommit=False)
-
+    """Every op from offset 0 up to the end the op log had when reading started."""
+    for record in KafkaLog(kafka, client_id="crl-replay").iterate_to_end(EXPERIENCE_OPS_TOPIC, idle_timeout_s):
+        yield record.offset, decode(EXPERIENCE_OPS_TOPIC, record.value)  # type: ignore[misc]
 
 
 @dataclass
@@ -107,11 +83,7 @@ def replay_bank(run_dir: Path, store: BankStore, kafka: KafkaSettings | None = N
     bank in `store` and the newest snapshot."""
     live = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
     if kafka is not None:
-        admin = make_admin(kafka)
-        try:
-            chosen = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
-        finally:
-            admin.close()
+        chosen = KafkaLog(kafka, client_id="crl-replay").log_id(EXPERIENCE_OPS_TOPIC)
         ops = ops_from_kafka(kafka)
         source = f"crl.experience-ops on Kafka (log {chosen})"
     else:

@@ -1,14 +1,14 @@
 """Read replicas of the experience bank for the workers that search it (rollout, extractor).
 
-    replica = BankReplica(kafka_settings, run_dir).start()   # newest snapshot, then tails crl.experience-ops
+    replica = BankReplica(context.follow, log_id, run_dir).start()  # newest snapshot, then follows the op log
     replica.wait_caught_up(timeout_s=10)
     candidates, bank_offset = replica.search_candidates(query_vectors, ["minihack-room"], k=16)
 
 `LocalBank` is the part without Kafka: the state machine plus its index, with a writer lock for applying ops and
 shared reader locks for searching (DESIGN.md §4), usable directly in tests and benchmarks. `BankReplica` adds the
-tail: it starts from the newest snapshot of the current log (or offset 0), applies every op in a background thread,
-and knows it is caught up when its applied offset reaches the partition's high watermark (`highwater()`, which is
-right on Tansu where `end_offsets()` is not; see shared/KAFKA.md).
+follower (`pipeline.runtime.log`): it starts from the newest snapshot of the current log (or offset 0), applies every
+op in the follower's thread, and knows it is caught up when it has applied everything up to the partition's high
+watermark.
 
 A replica decides every op exactly as the bank worker does (same state machine, same log order), so its
 `state_hash()` equals the bank's at the same offset. Records that do not decode are skipped here: the bank worker
@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from kafka import TopicPartition
 
-from infra.admin import topic_ids
-from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
 from pipeline.errors import InvalidStateError
+from pipeline.runtime.log import Follow, Follower
+from pipeline.runtime.transport import Record
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
@@ -180,25 +179,15 @@ class LocalBank:
 
 
 class BankReplica(LocalBank):
-    """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot in a background thread."""
+    """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot of log `log_id`."""
 
-    def __init__(self, kafka: KafkaSettings, run_dir: Path | None = None, exact_threshold: int = 10_000) -> None:
-        self.kafka = kafka
+    def __init__(self, follow: Follow, log_id: str, run_dir: Path | None = None, exact_threshold: int = 10_000) -> None:
+        self.log_id = log_id
         self.run_dir = run_dir
-        self._partition = TopicPartition(EXPERIENCE_OPS_TOPIC.name, 0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._high_watermark: int | None = None
         self.skipped = 0
         """Records that did not decode (the bank worker dead-letters them)."""
         self._read_to = 0
         """Next offset read from the partition, skipped records included."""
-        self.failure: BaseException | None = None
-        admin = make_admin(kafka, client_id="crl-bank-replica")
-        try:
-            self.log_id = topic_ids(admin, [EXPERIENCE_OPS_TOPIC.name])[EXPERIENCE_OPS_TOPIC.name]
-        finally:
-            admin.close()
         state, index = None, None
         restored = restore_newest(snapshots_root(run_dir), self.log_id) if run_dir is not None else None
         if restored is not None:
@@ -206,57 +195,40 @@ class BankReplica(LocalBank):
             index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
             log.info("replica starts from snapshot %s", snapshot.name)
         super().__init__(state, exact_threshold, index)
+        self._read_to = self.state.next_offset
+        self.follower: Follower = follow([EXPERIENCE_OPS_TOPIC], self._on_record,
+                                         start={(EXPERIENCE_OPS_TOPIC.name, 0): self.state.next_offset},
+                                         name="bank-replica")
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.follower.failure
 
     def start(self) -> BankReplica:
-        self._thread = threading.Thread(target=self._tail, name="bank-replica", daemon=True)
-        self._thread.start()
+        self.follower.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self.follower.stop(timeout_s)
 
-    def _tail(self) -> None:
-        consumer = make_consumer(self.kafka, client_id="crl-bank-replica")
+    def _on_record(self, record: Record) -> None:
         try:
-            consumer.assign([self._partition])
-            consumer.seek(self._partition, self.state.next_offset)
-            while not self._stop.is_set():
-                for record in consumer.poll(timeout_ms=100).get(self._partition, []):
-                    try:
-                        op = decode(EXPERIENCE_OPS_TOPIC, record.value)
-                    except EventDecodeError:
-                        self.skipped += 1
-                    else:
-                        self.apply(op, record.offset)  # type: ignore[arg-type]
-                    self._read_to = record.offset + 1  # after applying: caught_up() must not run ahead of the state
-                high = consumer.highwater(self._partition)
-                if high is not None:
-                    self._high_watermark = high
-        except BaseException as exc:  # surfaced through caught_up() / failure, never lost in a daemon thread
-            self.failure = exc
-            log.exception("bank replica stopped tailing")
-        finally:
-            consumer.close(autocommit=False)
+            op = decode(EXPERIENCE_OPS_TOPIC, record.value)
+        except EventDecodeError:
+            self.skipped += 1
+        else:
+            self.apply(op, record.offset)  # type: ignore[arg-type]
+        self._read_to = record.offset + 1
 
     def caught_up(self) -> bool:
         """True once every op up to the high watermark last seen is applied."""
-        if self.failure is not None:
-            raise InvalidStateError(f"the bank replica stopped: {self.failure}") from self.failure
-        high = self._high_watermark
-        return high is not None and max(self.offset, self._read_to) >= high
+        return self.follower.caught_up()
 
     def wait_for_offset(self, offset: int, timeout_s: float) -> bool:
         """Wait until every op before `offset` is applied (read your own writes: pass the log's end after a flush)."""
-        deadline = time.monotonic() + timeout_s
-        while max(self.offset, self._read_to) < offset:
-            if self.failure is not None:
-                raise InvalidStateError(f"the bank replica stopped: {self.failure}") from self.failure
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        if self.failure is not None:
+            raise InvalidStateError(f"the bank replica stopped: {self.failure}") from self.failure
+        return self.follower.wait_for({(EXPERIENCE_OPS_TOPIC.name, 0): offset}, timeout_s)
 
     def wait_caught_up(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -52,23 +52,24 @@ def topics_list(run_dir: RunDirOption = None) -> None:
 def topics_describe(run_dir: RunDirOption = None) -> None:
     """Every registry topic: partitions (expected and actual), records, retention, event kinds."""
     from infra.admin import describe_topics
-    from infra.kafka import make_admin, make_consumer
+    from infra.kafka import make_admin
+    from pipeline.runtime.log import KafkaLog
 
-    settings = current_settings(run_dir)
     admin = admin_of(run_dir, make_admin)
-    consumer = make_consumer(kafka_of(settings), client_id="crl-describe")
     try:
-        statuses = describe_topics(admin, consumer)
+        statuses = describe_topics(admin)
     finally:
         admin.close()
-        consumer.close(autocommit=False)
+    log = KafkaLog(kafka_of(current_settings(run_dir)), client_id="crl-describe")
+    records = {status.topic.name: sum(log.end_offsets(status.topic).values()) for status in statuses
+               if status.matches}
     table = Table("topic", "partitions", "records", "retention", "events", "ok")
     for status in statuses:
         retention = "forever" if status.topic.retention_ms < 0 else f"{status.topic.retention_ms // 3_600_000} h"
         table.add_row(
             status.topic.name,
             f"{status.partitions}/{status.topic.partitions}",
-            "-" if status.messages is None else str(status.messages),
+            str(records[status.topic.name]) if status.topic.name in records else "-",
             retention,
             ", ".join(status.topic.kinds),
             "[green]yes[/green]" if status.matches else "[red]no[/red]",

@@ -1,11 +1,12 @@
 """Following `crl.policy`: which policy versions exist, for workers that play a policy (rollout, extractor).
 
-    follower = PolicyFollower(kafka_settings, "actor").start()
+    follower = PolicyFollower(context.follow, "actor").start()   # a worker that declares `follows = (POLICY, ...)`
     newest = follower.newest()                 # PolicyPublished | None
     policy = load_published(newest, "transformers", device="cpu")   # sha256 checked before use
 
-Every instance reads the whole (one-partition) topic from offset 0 in a background thread, in assign mode: a
-consumer group would spread the one partition over the instances, and each of them needs every version. Loading
+Every instance reads the whole (one-partition) topic from offset 0 through a follower of the runtime
+(`pipeline.runtime.log`): a consumer group would spread the one partition over the instances, and each of them needs
+every version. Loading
 verifies the checkpoint's manifest sha256 against the event and every file's sha256 against the manifest
 (`load_checkpoint`); a mismatch raises `CheckpointError` and the worker keeps the version it has.
 """
@@ -16,12 +17,11 @@ import logging
 import threading
 import time
 
-from kafka import TopicPartition
-
-from infra.kafka import KafkaSettings, make_consumer
 from pipeline.errors import CheckpointError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import PolicyModel
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
+from pipeline.runtime.log import Follow, Follower
+from pipeline.runtime.transport import Record
 from schemas.base import Role
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import POLICY
@@ -50,28 +50,25 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
 class PolicyFollower:
     """Tails `crl.policy` and keeps the newest `PolicyPublished` of one role."""
 
-    def __init__(self, kafka: KafkaSettings, role: Role, client_id: str = "crl-policy-follower") -> None:
-        self.kafka = kafka
+    def __init__(self, follow: Follow, role: Role) -> None:
         self.role = role
-        self.client_id = client_id
         self._newest: PolicyPublished | None = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._changed = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
         self.refused: set[int] = set()
         """Versions whose checkpoint failed its sha256 check."""
+        self.follower: Follower = follow([POLICY], self._on_record, name=f"policy-{role}")
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.follower.failure
 
     def start(self) -> PolicyFollower:
-        self._thread = threading.Thread(target=self._tail, name=f"policy-follower-{self.role}", daemon=True)
-        self._thread.start()
+        self.follower.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self.follower.stop(timeout_s)
 
     def newest(self) -> PolicyPublished | None:
         if self.failure is not None:
@@ -112,25 +109,13 @@ class PolicyFollower:
                 self._changed.wait(min(remaining, 0.2))
             return self._newest
 
-    def _tail(self) -> None:
-        partition = TopicPartition(POLICY.name, 0)
-        consumer = make_consumer(self.kafka, client_id=self.client_id)
+    def _on_record(self, record: Record) -> None:
         try:
-            consumer.assign([partition])
-            consumer.seek_to_beginning(partition)
-            while not self._stop.is_set():
-                for record in consumer.poll(timeout_ms=200).get(partition, []):
-                    try:
-                        event = decode(POLICY, record.value)
-                    except EventDecodeError:
-                        continue  # dead-lettered by whoever consumes crl.policy in a runner
-                    if isinstance(event, PolicyPublished) and event.role == self.role:
-                        with self._changed:
-                            if self._newest is None or event.version > self._newest.version:
-                                self._newest = event
-                                self._changed.notify_all()
-        except BaseException as exc:  # surfaced through newest(), never lost in a daemon thread
-            self.failure = exc
-            log.exception("policy follower stopped")
-        finally:
-            consumer.close(autocommit=False)
+            event = decode(POLICY, record.value)
+        except EventDecodeError:
+            return  # dead-lettered by whoever consumes crl.policy in a runner
+        if isinstance(event, PolicyPublished) and event.role == self.role:
+            with self._changed:
+                if self._newest is None or event.version > self._newest.version:
+                    self._newest = event
+                    self._changed.notify_all()

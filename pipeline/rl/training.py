@@ -20,7 +20,6 @@ import json
 import logging
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,11 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from kafka import TopicPartition
 
-from infra.admin import high_watermarks
-from infra.kafka import KafkaSettings, make_consumer
-from pipeline.errors import ConfigError, RetryableError
+from pipeline.errors import ConfigError
 from pipeline.models.checkpoints import (
     CheckpointInfo,
     LoadedCheckpoint,
@@ -48,10 +44,10 @@ from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.rl.advantages import subgroup_advantages
 from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
 from pipeline.rl.update import Sample, StepResult, deterministic_torch, make_optimizer, policy_step
+from pipeline.runtime.log import Log, events_to_end
 from schemas.base import Event, Producer, Role
-from schemas.codec import decode
 from schemas.extractions import ExtractionGenerated
-from schemas.topics import POLICY, TRAIN_STEPS, Topic
+from schemas.topics import POLICY, TRAIN_STEPS
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
 
@@ -248,39 +244,10 @@ def events_of(version: PolicyVersion) -> list[Event]:
     return [version.published] + ([version.train_step] if version.train_step is not None else [])
 
 
-def unpublished(version: PolicyVersion, kafka: KafkaSettings) -> list[Event]:
+def unpublished(version: PolicyVersion, log: Log) -> list[Event]:
     """The events of `version` not yet on the log (after a crash between checkpoint and publish)."""
-    on_log = {event.event_id for topic in (POLICY, TRAIN_STEPS) for event in read_to_end(kafka, topic)}
+    on_log = {event.event_id for topic in (POLICY, TRAIN_STEPS) for event in events_to_end(log, topic)}
     return [event for event in events_of(version) if event.event_id not in on_log]
-
-
-def read_to_end(kafka: KafkaSettings, topic: Topic, idle_timeout_s: float = 10.0) -> list[Event]:
-    """Every event of `topic` up to the high watermarks seen when reading starts (undecodable records skipped: they
-    were dead-lettered by whoever consumed them)."""
-    consumer = make_consumer(kafka, client_id=f"crl-read-{topic.name}")
-    try:
-        ends = high_watermarks(consumer, topic.name, topic.partitions)
-        partitions = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        positions = {p: 0 for p in range(topic.partitions)}
-        events: list[Event] = []
-        last_progress = time.monotonic()
-        while any(positions[p] < ends[p] for p in positions):
-            batches = consumer.poll(timeout_ms=200)
-            for tp, records in batches.items():
-                for record in records:
-                    positions[tp.partition] = record.offset + 1
-                    last_progress = time.monotonic()
-                    try:
-                        events.append(decode(topic, record.value))
-                    except Exception as exc:  # noqa: BLE001 - someone else's poison record
-                        log.debug("skipping undecodable %s[%d]@%d: %s", tp.topic, tp.partition, record.offset, exc)
-            if time.monotonic() - last_progress > idle_timeout_s:
-                raise RetryableError(f"reading {topic.name}: no records for {idle_timeout_s}s before {ends}")
-        return events
-    finally:
-        consumer.close(autocommit=False)
 
 
 def actor_batch(trajectories: list[TrajectoryCompleted], settings: ActorTrainerSettings

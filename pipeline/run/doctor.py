@@ -22,15 +22,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kafka import KafkaAdminClient, TopicPartition
+from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from infra.admin import TOPIC_MAX_MESSAGE_BYTES, create_topics, existing_partition_counts
 from infra.broker import embedded_broker, wait_until_answers
 from infra.db import check_connection, current_revision, make_engine, migrate
-from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
+from infra.kafka import KafkaSettings, make_admin, make_producer
 from pipeline.bank.embeddings import load_sentence_encoder
 from pipeline.runtime.context import resolve_kafka
+from pipeline.runtime.log import KafkaLog
+from pipeline.runtime.transport import Record
 from pipeline.settings import Settings
 from schemas.codec import decode, encode
 from schemas.examples import example_events
@@ -204,43 +206,37 @@ def _round_trip_checks(kafka: KafkaSettings, scratch_topic: str | None, timeout_
     against a production Kafka writes nothing into the run topics; otherwise each goes to its registry topic.
     """
     events = example_events(run_id=f"doctor-{uuid.uuid4().hex[:8]}")
+    wanted = {str(event.event_id): event for event in events}
+    received: dict[str, bytes] = {}
+    log_ = KafkaLog(kafka, client_id="crl-doctor")
     admin = make_admin(kafka) if scratch_topic else None
-    if admin is not None:
-        admin.create_topics([NewTopic(scratch_topic, 1, 1)])
-    consumer = make_consumer(kafka, client_id="crl-doctor")
     producer = make_producer(kafka, client_id="crl-doctor")
     try:
-        if scratch_topic:
-            partitions = [TopicPartition(scratch_topic, 0)]
+        if admin is not None:
+            admin.create_topics([NewTopic(scratch_topic, 1, 1)])
             deadline = time.monotonic() + timeout_s
-            while not consumer.partitions_for_topic(scratch_topic) and time.monotonic() < deadline:
-                consumer.topics()
+            while scratch_topic not in admin.list_topics() and time.monotonic() < deadline:
                 time.sleep(0.1)
-        else:
-            partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
-        consumer.assign(partitions)
-        consumer.seek_to_end(*partitions)
-        for tp in partitions:
-            consumer.position(tp)  # resolve the end now, before our records land
+            start = {(scratch_topic, 0): 0}
+        else:  # the ends now, before our records land
+            start = {(t.name, p): end for t in TOPICS for p, end in log_.end_offsets(t).items()}
         for event in events:
             topic = topic_of(event)
             producer.send(scratch_topic or topic.name, key=topic.key_bytes(event), value=encode(event))
         producer.flush(timeout=timeout_s)
-        wanted = {str(event.event_id): event for event in events}
-        received: dict[str, bytes] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(received) < len(wanted) and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=200).values():
-                for record in batch:
-                    try:
-                        event_id = json.loads(record.value)["event_id"]
-                    except (ValueError, KeyError, TypeError):
-                        continue  # someone else's record on a shared broker
-                    if event_id in wanted:
-                        received[event_id] = record.value
+
+        def arrived(record: Record) -> bool:
+            try:
+                event_id = json.loads(record.value or b"")["event_id"]
+            except (ValueError, KeyError, TypeError):
+                return False  # someone else's record on a shared broker
+            if event_id in wanted:
+                received[event_id] = record.value  # type: ignore[assignment]
+            return len(received) == len(wanted)
+
+        log_.records_after(start, arrived, timeout_s)
     finally:
         producer.close(timeout=5)
-        consumer.close(autocommit=False)
         if admin is not None:
             admin.delete_topics([scratch_topic])
             admin.close()

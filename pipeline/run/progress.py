@@ -9,10 +9,9 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from kafka import TopicPartition
-
-from infra.kafka import make_consumer
 from pipeline.bank.state import Applied, BankState, Rejected
+from pipeline.runtime.log import KafkaLog
+from pipeline.runtime.transport import Record
 from pipeline.settings import Settings
 from schemas.codec import EventDecodeError, decode
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
@@ -92,43 +91,31 @@ class RunProgress:
 
 
 class LogFollower:
-    """Reads every partition of every topic from offset 0 in a thread and feeds `RunProgress`."""
+    """Follows every partition of every topic from offset 0 (`pipeline.runtime.log`) and feeds `RunProgress`."""
 
     def __init__(self, settings: Settings, progress: RunProgress) -> None:
-        self.settings = settings
         self.progress = progress
         self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="crl-run-follower", daemon=True)
-        self.failure: BaseException | None = None
+        self._topics = {topic.name: topic for topic in TOPICS}
+        self._follower = KafkaLog(settings.kafka, client_id="crl-run").follow(TOPICS, self._on_record, name="run")
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._follower.failure
 
     def start(self) -> LogFollower:
-        self._thread.start()
+        self._follower.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        self._follower.stop()
 
-    def _follow(self) -> None:
-        consumer = make_consumer(self.settings.kafka, client_id="crl-run-follower")
-        topics = {topic.name: topic for topic in TOPICS}
+    def _on_record(self, record: Record) -> None:
         try:
-            partitions = [TopicPartition(t.name, p) for t in TOPICS for p in range(t.partitions)]
-            consumer.assign(partitions)
-            consumer.seek_to_beginning(*partitions)
-            while not self._stop.is_set():
-                for tp, records in consumer.poll(timeout_ms=200).items():
-                    for record in records:
-                        try:
-                            event = decode(topics[tp.topic], record.value)
-                        except EventDecodeError:
-                            continue  # a dead letter's business, not the live view's
-                        with self.lock:
-                            self.progress.add(event, record.offset)
-                            self.progress.records += 1
-                            self.progress.last_record = time.time()
-        except BaseException as exc:  # surfaced by the supervisor's loop
-            self.failure = exc
-        finally:
-            consumer.close(autocommit=False)
+            event = decode(self._topics[record.topic], record.value)
+        except EventDecodeError:
+            return  # a dead letter's business, not the live view's
+        with self.lock:
+            self.progress.add(event, record.offset)
+            self.progress.records += 1
+            self.progress.last_record = time.time()

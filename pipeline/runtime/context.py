@@ -1,4 +1,5 @@
-"""What a worker is built from: its settings, its instance name, the run's database, blobs and Kafka address.
+"""What a worker is built from: its settings, its instance name, the run's database and blobs, and the log it reads
+beyond its inputs (`log`: Kafka under `crl worker`, memory in the harness), through which it follows topics.
 
 The runtime reads only the few settings every worker shares (`RuntimeSettings`); a worker's own sections come with
 the full settings object it is given (`context.settings`).
@@ -6,6 +7,7 @@ the full settings object it is given (`context.settings`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,10 +17,12 @@ from sqlalchemy import Engine
 from infra.broker import read_broker_file
 from infra.db import DbSettings, database_url, make_engine, migrate
 from infra.kafka import KafkaSettings
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.runtime.blobs import BlobStore
+from pipeline.runtime.log import Follower, Log, OnRecord
 from pipeline.runtime.offsets import SqlOffsetStore
 from pipeline.runtime.settings import RunnerSettings
+from schemas.topics import Topic
 
 
 class RuntimeSettings(Protocol):
@@ -53,7 +57,12 @@ class WorkerContext:
     settings: Any
     """The full settings (`pipeline.settings.Settings`): the runtime reads its `RuntimeSettings` part."""
     instance: str
+    log: Log
+    """The log beyond the worker's inputs: what it follows and reads to the end."""
+    follows: tuple[Topic, ...] = ()
+    """The topics the worker declared it follows; `follow` refuses others."""
     _engine: Engine | None = field(default=None, repr=False)
+    _followers: list[Follower] = field(default_factory=list, repr=False)
 
     @property
     def run_dir(self) -> Path:
@@ -74,6 +83,22 @@ class WorkerContext:
     def sql_offset_store(self, worker: str) -> SqlOffsetStore:
         return SqlOffsetStore(self.engine, worker)
 
-    @property
-    def kafka(self) -> KafkaSettings:
-        return resolve_kafka(self.settings)
+    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *,
+               start: Mapping[tuple[str, int], int] | None = None, name: str = "follower") -> Follower:
+        """A follower of `topics` (declared in the worker's `follows`), not yet started; stopped when the worker
+        stops."""
+        undeclared = sorted({t.name for t in topics} - {t.name for t in self.follows})
+        if undeclared:
+            raise InvalidArgumentError(f"{self.instance} follows {undeclared}, which its worker kind does not declare "
+                                       f"in `follows` ({[t.name for t in self.follows]})")
+        follower = self.log.follow(topics, on_record, start=start, name=f"{self.instance}-{name}")
+        self._followers.append(follower)
+        return follower
+
+    def close(self) -> None:
+        """Stop every follower the worker opened, and the database engine."""
+        for follower in self._followers:
+            follower.stop()
+        self._followers.clear()
+        if self._engine is not None:
+            self._engine.dispose()

@@ -1,11 +1,16 @@
 """Run a worker on a list of events without a broker (for unit tests), through the very same `WorkerRunner`.
 
-    result = run_processor(MyProcessor(), [event1, event2, RawRecord("crl.trajectories", b"garbage")])
+    result = run_worker(MyWorker(), [event1, event2, RawRecord("crl.trajectories", b"garbage")])
     assert result.outputs == [...]
     assert result.dead_letters[0].error_class == "MalformedPayloadError"
 
+    worker, context = build_worker(Rollout, settings, log=[policy_published, *experience_ops])
+    result = run_worker(worker, assignments, context=context)    # a real worker kind, its follows in memory
+
 The in-memory logs record every produce, flush and commit in `result.journal`, so ordering guarantees (outputs
-acknowledged before input offsets are committed) can be asserted directly.
+acknowledged before input offsets are committed) can be asserted directly. A worker built with `build_worker` reads
+what it follows and what it reads to the end from a `MemoryLog`, which also receives everything the worker publishes
+(so it reads its own writes, as on Kafka). The run ends once every input is handled and the worker is not `busy`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.runtime.blobs import BlobStore
-from pipeline.runtime.runner import Limits, Processor, Source, WorkerRunner
+from pipeline.runtime.context import RuntimeSettings, WorkerContext
+from pipeline.runtime.log import MemoryLog
+from pipeline.runtime.runner import Limits, Worker, WorkerRunner
 from pipeline.runtime.settings import RunnerSettings
 from pipeline.runtime.transport import Position, Record
 from schemas.base import Event, Producer
@@ -86,10 +93,12 @@ class MemoryInput:
 
 
 class MemoryOutput:
-    """Keeps sent records; they count as delivered only after `flush()`. `fail_next_flush` simulates a broker error."""
+    """Keeps sent records; they count as delivered only after `flush()`. `fail_next_flush` simulates a broker error.
+    With `log`, delivered records are appended to it (partition 0 of their topic)."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, log: MemoryLog | None = None) -> None:
         self.journal = journal
+        self.log = log
         self.pending: list[tuple[str, bytes, bytes, list]] = []
         self.delivered: list[tuple[str, bytes, bytes, list]] = []
         self.fail_next_flush: Exception | None = None
@@ -104,6 +113,9 @@ class MemoryOutput:
             raise error
         self.delivered += self.pending
         self.journal.entries.append(("flush", len(self.pending)))
+        if self.log is not None:
+            self.log.append([Record(topic, 0, self.log.next_offset(topic, 0), key, value, 1_700_000_000_000,
+                                    tuple(headers), MEMORY_LOG_ID) for topic, key, value, headers in self.pending])
         self.pending = []
 
     def close(self) -> None:
@@ -136,36 +148,49 @@ def to_records(items: Iterable[Event | RawRecord]) -> list[Record]:
     return records
 
 
-def run_processor(
-    processor: Processor | Source,
+def build_worker(worker_class: type[Worker], settings: RuntimeSettings, *, log: Iterable[Event | RawRecord] = (),
+                 instance: str | None = None) -> tuple[Worker, WorkerContext]:
+    """A worker of `worker_class` built as `crl worker` builds it, with a `MemoryLog` of `log` (encoded to their
+    registry topics) for what it follows and reads to the end; pass the context on to `run_worker`."""
+    context = WorkerContext(settings, instance or f"{worker_class.name}-test", MemoryLog(to_records(log)),
+                            follows=worker_class.follows)
+    return worker_class.build(context), context
+
+
+def run_worker(
+    worker: Worker,
     inputs: Iterable[Event | RawRecord] = (),
     *,
+    context: WorkerContext | None = None,
     settings: RunnerSettings | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     batch_size: int = 100,
     run_id: str = "test-run",
     output: MemoryOutput | None = None,
     blobs: BlobStore | None = None,
+    max_polls: int = 10_000,
 ) -> HarnessResult:
-    """Run `processor` until every input is handled (or it stops itself), then decode what it published."""
+    """Run `worker` until every input is handled and it is not `busy` (or it is `done`, or after `max_polls`), then
+    decode what it published."""
     journal = output.journal if output is not None else Journal()
     blobs = blobs or BlobStore(Path(tempfile.mkdtemp(prefix="crl-harness-blobs-")))
     records = to_records(inputs)
     input_log = MemoryInput(records, journal, batch_size)
-    output_log = output or MemoryOutput(journal)
+    memory_log = context.log if context is not None and isinstance(context.log, MemoryLog) else None
+    output_log = output or MemoryOutput(journal, memory_log)
     runner = WorkerRunner(
-        processor,
-        input_log=input_log if processor.inputs or records else None,
+        worker,
+        input_log=input_log if worker.consumes or records else None,
         output_log=output_log,
-        producer=Producer(worker=processor.name, instance=f"{processor.name}-test"),
+        producer=Producer(worker=worker.name, instance=context.instance if context else f"{worker.name}-test"),
         run_id=run_id,
-        settings=settings or RunnerSettings(retry_backoff_s=0.001, retry_backoff_max_s=0.01),
+        settings=settings or RunnerSettings(retry_backoff_s=0.001, retry_backoff_max_s=0.01, poll_timeout_ms=1),
         max_payload_bytes=max_payload_bytes,
         blobs=blobs,
-        limits=Limits(max_events=len(records)) if isinstance(processor, Processor) else Limits(),
+        limits=Limits(max_polls=max_polls),
+        context=context,
+        until_idle=True,
     )
-    if isinstance(processor, Processor) and not records:
-        runner.request_stop("no inputs")
     runner.run()
     outputs: list[Event] = []
     dead_letters: list[DeadLetter] = []

@@ -12,15 +12,15 @@ import os
 import socket
 from importlib.metadata import entry_points
 
-from infra.admin import topic_ids
-from infra.kafka import make_admin, make_consumer, make_producer
+from infra.kafka import make_consumer, make_producer
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import RuntimeSettings, WorkerContext, resolve_kafka
-from pipeline.runtime.runner import Limits, Processor, Source, WorkerRunner
+from pipeline.runtime.log import KafkaLog
+from pipeline.runtime.runner import Limits, Worker, WorkerRunner
 from pipeline.runtime.transport import InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
 from schemas.base import Producer
 
-WorkerClass = type[Processor] | type[Source]
+WorkerClass = type[Worker]
 
 ENTRY_POINT_GROUP = "crl.workers"
 
@@ -48,16 +48,13 @@ def build_runner(
     """Build the worker and connect it to Kafka: group or assign mode as it declares, producer for its outputs."""
     kafka = resolve_kafka(settings)
     instance = instance or default_instance(worker_class.name)
-    context = WorkerContext(settings, instance)
+    log = KafkaLog(kafka, client_id=instance)
+    context = WorkerContext(settings, instance, log, follows=worker_class.follows)
     worker = worker_class.build(context)
     input_log: InputLog | None = None
-    if worker_class.inputs:
-        names = [topic.name for topic in worker_class.inputs]
-        admin = make_admin(kafka, client_id=instance)
-        try:
-            log_ids = topic_ids(admin, names)
-        finally:
-            admin.close()
+    if worker_class.consumes:
+        names = [topic.name for topic in worker_class.consumes]
+        log_ids = {topic.name: log.log_id(topic) for topic in worker_class.consumes}
         if worker_class.consumption == "group":
             input_log = KafkaGroupInput(make_consumer(kafka, group_id=f"crl-{worker_class.name}", client_id=instance),
                                         names, log_ids)
@@ -75,4 +72,5 @@ def build_runner(
         blobs=context.blobs,
         metrics_path=settings.run_dir / "metrics" / f"{instance}.jsonl",
         limits=limits,
+        context=context,
     )

@@ -1,19 +1,25 @@
 """The worker runner: everything a worker does besides its own logic.
 
-A worker is either a `Processor` (`handle(event, origin) -> list[Event]`, for consumers) or a `Source` (`run(io)`,
-for producers that drive their own loop). The runner owns the rest, in this order for every record:
+A worker (`Worker`) declares what it `consumes`, what it `produces` and what it `follows`, and implements
+`handle(event, origin) -> list[Event]` for every input event; batch-oriented workers (the trainers, the extractor, the
+rollout worker, the scheduler) also get `after_poll(io)`, a hook the runner calls after every poll, where they train,
+generate or publish what is due. No worker polls Kafka or runs a loop of its own: the runner owns the loop, in this
+order for every record:
 
 1. decode -> upcast -> validate (`schemas.codec.decode`); a poison record becomes a `DeadLetter`;
 2. `handle` with retries and exponential backoff on `RetryableError`; `PoisonMessageError` or any other exception
    from the handler dead-letters the record (the error class and message say why; the raw bytes are kept);
 3. outputs are encoded and sent with the registry's key;
-4. at a commit point: `processor.flush()` (durable state), producer flush (every output acknowledged), and only then
-   the input offsets are committed. A crash anywhere before that re-delivers the input: at-least-once, so
-   projections must be idempotent (deterministic ids, dedupe by `event_id`).
+4. at a commit point: `worker.flush()` (durable state), producer flush (every output acknowledged), and only then
+   the input offsets are committed (`worker.committable` may hold them back). A crash anywhere before that
+   re-delivers the input: at-least-once, so projections must be idempotent (deterministic ids, dedupe by `event_id`).
 
-Stopping: SIGTERM/SIGINT finish the current record, flush, commit and exit; so do `max_events` and `timeout_s`.
-Metrics (events in/out, dead letters, retries, handler time, lag) are logged every `metrics_interval_s` and appended
-as JSON lines to `RUN_DIR/metrics/<worker>.<instance>.jsonl` when a path is given.
+What a worker follows (the newest policy of a role, the bank replica) it reads through `context.follow`, which the
+runtime backs with a follower thread (`pipeline.runtime.log`) and stops when the worker stops.
+
+Stopping: SIGTERM/SIGINT finish the current record, flush, commit and exit; so do `max_events`, `timeout_s` and a
+worker that says it is `done`. Metrics (events in/out, dead letters, retries, handler time, lag) are logged every
+`metrics_interval_s` and appended as JSON lines to `RUN_DIR/metrics/<instance>.jsonl` when a path is given.
 """
 
 from __future__ import annotations
@@ -25,15 +31,14 @@ import logging
 import signal
 import threading
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from abc import ABC
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pipeline.errors import (
     ConfigError,
-    InvalidStateError,
     PipelineError,
     PoisonMessageError,
     RetryableError,
@@ -68,17 +73,31 @@ class Origin:
     """Kafka topic id of the log `offset` counts in."""
 
 
-class Processor(ABC):
-    """A consumer worker: one input event in, zero or more output events out."""
+class Worker(ABC):
+    """One worker kind: its declarations, what it does with each input event, and what it does after each poll."""
 
     name: ClassVar[str]
-    """Worker kind; also the consumer-group id and the `WORKERS` key."""
-    inputs: ClassVar[tuple[Topic, ...]]
+    """Worker kind; also the consumer-group id (`crl-<name>`) and the `WORKERS` key."""
+    consumes: ClassVar[tuple[Topic, ...]] = ()
+    """Input topics the runner polls and hands to `handle`."""
     consumption: ClassVar[Consumption] = "group"
+    """`group`: a consumer group spreads the partitions over instances, offsets in Kafka; `assign`: every partition,
+    positions kept by the worker (`offset_store`)."""
+    produces: ClassVar[tuple[Topic, ...]] = ()
+    """Topics its events go to (dead letters aside); `crl run` orders the workers by them."""
+    follows: ClassVar[tuple[Topic, ...]] = ()
+    """Topics it reads in the background through `context.follow` (the newest policy, the bank replica)."""
+    clock: ClassVar[bool] = False
+    """The worker that paces a run (the scheduler): `crl run` starts it last and stops it first, and its inputs
+    (feedback on what the others did) do not order the others."""
+    arms: ClassVar[frozenset[str] | None] = None
+    """The arms (`scheduler.arm`) that need this worker; None: every arm."""
+    instances: ClassVar[str | None] = None
+    """The `launch` setting with its number of processes under `crl run` (None: one)."""
 
     @classmethod
-    def build(cls, context: WorkerContext) -> Processor:
-        """Construct the worker from its context (settings, run dir, database). Override to read settings."""
+    def build(cls, context: WorkerContext) -> Worker:
+        """Construct the worker from its context (settings, run dir, database, log). Override to read settings."""
         return cls()
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
@@ -86,50 +105,46 @@ class Processor(ABC):
         with its state in one transaction overrides this."""
         return context.sql_offset_store(self.name)
 
-    @abstractmethod
     def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
-        """Process one event; return the events to publish."""
+        """Process one input event; return the events to publish. Default: remember nothing, publish nothing."""
+        return ()
+
+    def start(self, io: WorkerIO) -> None:
+        """Called once before the first poll (publish what a previous run wrote but did not publish, ...)."""
+
+    def after_poll(self, io: WorkerIO) -> None:
+        """Called after every poll, the polled events handled: the batch hook (train a closed step, generate for a
+        full batch, play a turn, issue a step). Publish through `io`."""
+
+    def poll_timeout_ms(self) -> int | None:
+        """How long the next poll may wait for input (None: the runner's `poll_timeout_ms`)."""
+        return None
+
+    def committable(self, positions: dict[Position, int]) -> dict[Position, int]:
+        """The positions that may be committed, given the next offset handled per partition. A worker that works on
+        events across several polls (a rollout worker's episodes in flight) holds its positions back to the oldest
+        unfinished one, so a restart re-reads exactly what was not finished."""
+        return positions
 
     def flush_due(self, now: float) -> bool:
         """Whether the runner should flush and commit now (`now` is `time.monotonic()`). Default: after every poll."""
         return True
 
     def flush(self) -> None:
-        """Make everything handled so far durable; called before input offsets are committed.
+        """Make everything handled so far durable; called before input offsets are committed. Default: nothing kept."""
 
-        Stateless processors keep nothing between events, so the default has nothing to write.
-        """
+    @property
+    def done(self) -> bool:
+        """True once the worker has nothing more to do in this run (the scheduler after `RunFinished`)."""
+        return False
+
+    @property
+    def busy(self) -> bool:
+        """True while it holds work that needs more polls to finish (episodes in flight); the harness waits for it."""
+        return False
 
     def close(self) -> None:
         """Release resources after the final commit."""
-
-
-class Source(ABC):
-    """A worker that drives its own loop (e.g. the scheduler), optionally reading `inputs` through `io.poll()`."""
-
-    name: ClassVar[str]
-    inputs: ClassVar[tuple[Topic, ...]] = ()
-    consumption: ClassVar[Consumption] = "group"
-
-    @classmethod
-    def build(cls, context: WorkerContext) -> Source:
-        return cls()
-
-    def offset_store(self, context: WorkerContext) -> OffsetStore:
-        return context.sql_offset_store(self.name)
-
-    @abstractmethod
-    def run(self, io: SourceIO) -> None:
-        """Produce events with `io.publish` until done or until `io.stopping`."""
-
-    def committable(self, positions: dict[Position, int]) -> dict[Position, int]:
-        """The positions that may be committed, given the next offset polled per partition. A source that works on
-        polled events across several commits (a rollout worker's episodes in flight) holds its positions back to
-        the oldest unfinished one, so a restart re-reads exactly what was not finished."""
-        return positions
-
-    def close(self) -> None:
-        """Release resources after the final flush."""
 
 
 @dataclass
@@ -150,18 +165,20 @@ class WorkerMetrics:
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds for smoke runs: stop after `max_events` input events or `timeout_s` seconds (None: unbounded)."""
+    """Bounds for smoke runs: stop after `max_events` input events, `timeout_s` seconds or `max_polls` polls (None:
+    unbounded)."""
 
     max_events: int | None = None
     timeout_s: float | None = None
+    max_polls: int | None = None
 
 
 class WorkerRunner:
-    """Runs one Processor or Source against an input and an output log until stopped."""
+    """Runs one worker against an input and an output log until stopped."""
 
     def __init__(
         self,
-        worker: Processor | Source,
+        worker: Worker,
         *,
         input_log: InputLog | None,
         output_log: OutputLog,
@@ -173,8 +190,14 @@ class WorkerRunner:
         metrics_path: Path | None = None,
         limits: Limits = Limits(),
         sleep: Callable[[float], None] | None = None,
+        context: WorkerContext | None = None,
+        until_idle: bool = False,
     ) -> None:
         self.worker = worker
+        self.context = context
+        """The worker's context; the runner closes it (and the followers it opened) when the worker stops."""
+        self.until_idle = until_idle
+        """Stop once the inputs are exhausted and the worker is not `busy` (the harness's end of a test)."""
         self.input_log = input_log
         self.output_log = output_log
         self.producer = producer
@@ -195,6 +218,8 @@ class WorkerRunner:
         self._sleep = sleep or self._stop.wait
         self._started = time.monotonic()
         self._last_metrics = self._started
+        self.io = WorkerIO(self)
+        self.polls = 0
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -220,14 +245,13 @@ class WorkerRunner:
     def run(self) -> WorkerMetrics:
         log.info("worker %s (%s) starting", self.producer.worker, self.producer.instance)
         try:
-            if isinstance(self.worker, Source):
-                self.worker.run(SourceIO(self))
-                self.commit()
-            else:
-                self._consume()
+            self.worker.start(self.io)
+            self._consume()
         finally:
             self._write_metrics(final=True)
             self.worker.close()
+            if self.context is not None:
+                self.context.close()
             if self.input_log is not None:
                 self.input_log.close()
             self.output_log.close()
@@ -236,17 +260,31 @@ class WorkerRunner:
         return self.metrics
 
     def _consume(self) -> None:
-        assert isinstance(self.worker, Processor) and self.input_log is not None
         while not self._check_limits():
-            records = self.input_log.poll(self.settings.poll_timeout_ms)
-            for record in records:
-                if self._check_limits():
-                    break  # not handled, not committed: the next start reads it again
-                self._process(record)
+            self.polls += 1
+            timeout = self.worker.poll_timeout_ms()
+            timeout = self.settings.poll_timeout_ms if timeout is None else timeout
+            if self.input_log is not None:
+                for record in self.input_log.poll(timeout):
+                    if self._check_limits():
+                        break  # not handled, not committed: the next start reads it again
+                    self._process(record)
+            elif timeout:
+                self._stop.wait(timeout / 1000)
+            if self._stop.is_set():
+                break
+            self.worker.after_poll(self.io)
             if self.worker.flush_due(time.monotonic()) and self._uncommitted:
                 self.commit()
             self._maybe_report()
+            if self.worker.done:
+                self.request_stop("done")
+            elif self.until_idle and not self.worker.busy and self._inputs_exhausted():
+                self.request_stop("inputs exhausted")
         self.commit()
+
+    def _inputs_exhausted(self) -> bool:
+        return self.input_log is None or bool(getattr(self.input_log, "exhausted", False))
 
     # -- per record -----------------------------------------------------------------------------------------------
 
@@ -255,6 +293,8 @@ class WorkerRunner:
             self.request_stop(f"max_events={self.limits.max_events} reached")
         elif self.limits.timeout_s is not None and time.monotonic() - self._started >= self.limits.timeout_s:
             self.request_stop(f"timeout={self.limits.timeout_s}s reached")
+        elif self.limits.max_polls is not None and self.polls >= self.limits.max_polls:
+            self.request_stop(f"max_polls={self.limits.max_polls} reached")
         return self._stop.is_set()
 
     def decode_or_dead_letter(self, record: Record) -> Event | None:
@@ -266,7 +306,7 @@ class WorkerRunner:
             return None
 
     def _process(self, record: Record) -> None:
-        assert isinstance(self.worker, Processor) and self.input_log is not None
+        assert self.input_log is not None
         if not self.input_log.owns((record.topic, record.partition)):
             return  # fetched before its partition moved to another member, which will read it
         self.metrics.events_in += 1
@@ -287,7 +327,6 @@ class WorkerRunner:
         self._uncommitted = True
 
     def _handle_with_retries(self, event: Event, origin: Origin, record: Record) -> list[tuple] | None:
-        assert isinstance(self.worker, Processor)
         attempt = 0
         while True:
             started = time.perf_counter()
@@ -329,6 +368,7 @@ class WorkerRunner:
         topic, key, value, headers = self.encode_output(event)
         self.output_log.send(topic, key, value, headers)
         self.metrics.events_out += 1
+        self._uncommitted = True
 
     def publish_dead_letter(self, record: Record, error: BaseException) -> None:
         letter = self.dead_letter(record, error)
@@ -374,8 +414,7 @@ class WorkerRunner:
 
     def commit(self) -> None:
         """Durable state, then every output acknowledged, then the input positions. Never the other way round."""
-        if isinstance(self.worker, Processor):
-            self.worker.flush()
+        self.worker.flush()
         self.output_log.flush()
         if self.input_log is not None and self.positions:
             # A partition that moved to another member is not ours to commit: its new owner resumes at the last
@@ -383,10 +422,7 @@ class WorkerRunner:
             for position in [p for p in self.positions if not self.input_log.owns(p)]:
                 log.info("not committing %s[%d]: the partition was revoked", *position)
                 del self.positions[position]
-            positions = dict(self.positions)
-            if isinstance(self.worker, Source):
-                positions = self.worker.committable(positions)
-            self._commit_with_retries(positions)
+            self._commit_with_retries(self.worker.committable(dict(self.positions)))
         self.metrics.commits += 1
         self._uncommitted = False
 
@@ -433,50 +469,43 @@ class WorkerRunner:
                 handle.write(json.dumps(line, sort_keys=True) + "\n")
 
 
-class SourceIO:
-    """What a Source sees of the runner: publish, poll its inputs, commit, and whether to stop."""
+class WorkerIO:
+    """What a worker's hooks (`start`, `after_poll`) may do: publish, commit, ask whether a partition is still its
+    own, whether it has read its inputs to where they ended when it started, and whether it is stopping."""
 
     def __init__(self, runner: WorkerRunner) -> None:
         self._runner = runner
+        self._start_ends: dict[Position, int] | None = None
 
     @property
     def stopping(self) -> bool:
-        return self._runner._check_limits()
-
-    def wait(self, seconds: float) -> bool:
-        """Sleep up to `seconds`; returns True early when a stop was requested."""
-        return self._runner._stop.wait(seconds)
+        return self._runner._stop.is_set()
 
     def publish(self, event: Event) -> None:
         self._runner.publish(event)
 
-    def poll(self, timeout_ms: int | None = None) -> Iterator[tuple[Event, Origin]]:
-        """Decoded input events (poison records are dead-lettered on the way). Positions advance as you iterate."""
-        runner = self._runner
-        if runner.input_log is None:
-            raise InvalidStateError(f"{runner.worker.name} declares no inputs to poll")
-        for record in runner.input_log.poll(runner.settings.poll_timeout_ms if timeout_ms is None else timeout_ms):
-            if not runner.input_log.owns((record.topic, record.partition)):
-                continue  # its partition moved to another member, which will read it
-            runner.metrics.events_in += 1
-            event = runner.decode_or_dead_letter(record)
-            runner.positions[(record.topic, record.partition)] = record.offset + 1
-            runner._uncommitted = True
-            if event is not None:
-                yield event, Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
-        runner._maybe_report()  # periodic metrics (with lag) for sources too: `crl run` reads them to see a drain
+    def commit(self) -> None:
+        """Flush the worker's state and everything published, then commit the positions handled so far."""
+        self._runner.commit()
 
     def owns(self, position: Position) -> bool:
         """Whether this worker still owns `position` (a group rebalance may have moved it to another member)."""
         return self._runner.input_log is not None and self._runner.input_log.owns(position)
 
-    def positions(self) -> dict[tuple[str, int], int]:
-        """Next offset per input partition polled so far (poison records included: they were dead-lettered)."""
+    def positions(self) -> dict[Position, int]:
+        """Next offset per input partition handled so far (poison records included: they were dead-lettered)."""
         return dict(self._runner.positions)
 
-    def commit(self) -> None:
-        """Flush everything published, then commit the positions of every input polled so far."""
-        self._runner.commit()
+    def caught_up(self) -> bool:
+        """Whether every input is handled up to where its partitions ended at the first call (a worker that
+        rebuilds its state from its inputs asks this in `start`, then waits for it in `after_poll`)."""
+        if self._start_ends is None:
+            context = self._runner.context
+            assert context is not None, "caught_up() needs the worker's context (its log)"
+            self._start_ends = {(topic.name, partition): end for topic in self._runner.worker.consumes
+                                for partition, end in context.log.end_offsets(topic).items()}
+        positions = self._runner.positions
+        return all(positions.get(position, 0) >= end for position, end in self._start_ends.items())
 
 
 class _StoppedDuringRetry(PipelineError):

@@ -92,7 +92,7 @@ def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
 
 def test_crl_run_uses_the_kafka_it_is_given(kafka_bootstrap, tmp_path):
     from infra.kafka import KafkaSettings
-    from pipeline.rl.training import read_to_end
+    from pipeline.runtime.log import read_to_end
     from schemas.runs import RunFinished
     from schemas.topics import RUNS
 

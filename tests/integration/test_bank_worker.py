@@ -91,8 +91,10 @@ def test_bank_killed_mid_batch_and_restarted_matches_a_clean_rebuild(kafka_boots
         # A BankReplica in another process (from the newest snapshot, then the tail) sees the same bank.
         script = (
             "import sys; from pathlib import Path; from infra.kafka import KafkaSettings; "
-            "from pipeline.bank.replica import BankReplica; "
-            "r = BankReplica(KafkaSettings(bootstrap_servers=sys.argv[1]), Path(sys.argv[2])).start(); "
+            "from pipeline.bank.replica import BankReplica; from pipeline.runtime.log import KafkaLog; "
+            "from schemas.topics import EXPERIENCE_OPS_TOPIC; "
+            "log = KafkaLog(KafkaSettings(bootstrap_servers=sys.argv[1])); "
+            "r = BankReplica(log.follow, log.log_id(EXPERIENCE_OPS_TOPIC), Path(sys.argv[2])).start(); "
             "assert r.wait_caught_up(60), 'replica never caught up'; "
             "print(r.offset, r.state_hash(), len(r.index or ())); r.stop()"
         )

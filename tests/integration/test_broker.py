@@ -23,7 +23,7 @@ from kafka import KafkaProducer, TopicPartition
 from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.audit.views import Audit
 from pipeline.runtime.launch import build_runner
-from pipeline.runtime.runner import Limits, Origin, Processor, Source, SourceIO, WorkerRunner
+from pipeline.runtime.runner import Limits, Origin, Worker, WorkerIO, WorkerRunner
 from pipeline.runtime.settings import RunnerSettings
 from pipeline.settings import ArchiverSettings, Settings
 from schemas.base import Event, Producer
@@ -78,13 +78,17 @@ def run_in_thread(runner: WorkerRunner) -> threading.Thread:
 EXAMPLES = example_events("it-run")
 
 
-class PublishExamples(Source):
+class PublishExamples(Worker):
     name = "examples"
 
-    def run(self, io: SourceIO) -> None:
+    def start(self, io: WorkerIO) -> None:
         for event in EXAMPLES:
             io.publish(event)
         io.commit()
+
+    @property
+    def done(self) -> bool:
+        return True
 
 
 def test_every_event_kind_round_trips_through_kafka(kafka_bootstrap, tmp_path):
@@ -176,11 +180,11 @@ def test_poison_records_reach_dead_letters_within_a_second_while_the_archiver_ke
     assert not thread.is_alive()
 
 
-class CountStops(Processor):
+class CountStops(Worker):
     """Group-mode worker: answers each StopRequested with a RunFinished naming the reason."""
 
     name = "count-stops"
-    inputs = (CONTROL,)
+    consumes = (CONTROL,)
     consumption = "group"
 
     def handle(self, event: Event, origin: Origin) -> Sequence[Event]:

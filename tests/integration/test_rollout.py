@@ -18,7 +18,7 @@ from worker_processes import _env, _send, _start, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint
-from pipeline.rl.training import read_to_end
+from pipeline.runtime.log import read_to_end
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import ExperienceAdded

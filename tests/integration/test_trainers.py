@@ -13,7 +13,7 @@ from worker_processes import CRL, _env, _send, _start, _stop, _wait_for
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
-from pipeline.rl.training import read_to_end
+from pipeline.runtime.log import read_to_end
 from schemas.topics import POLICY, TRAIN_STEPS
 from schemas.training import PolicyPublished, TrainStepCompleted
 

@@ -11,7 +11,7 @@ import pytest
 from pipeline.audit.archive import ARCHIVE_SCHEMA, archive_root, segment_files, write_segments
 from pipeline.audit.views import Audit, kind_view_sql, sql_type
 from pipeline.errors import AuditQueryError
-from pipeline.runtime.harness import MEMORY_LOG_ID, RawRecord, run_processor
+from pipeline.runtime.harness import MEMORY_LOG_ID, RawRecord, run_worker
 from schemas.examples import example_events
 from schemas.topics import EVENT_TYPES, TRAJECTORIES
 from schemas.trajectories import TrajectoryCompleted
@@ -25,17 +25,17 @@ def archived(tmp_path):
     events = example_events("audit-run")
     # The garbage record's dead letter, as the runner writes it to crl.dead-letters; the archiver then reads it
     # from there together with everything else (one run, so every record keeps distinct Kafka coordinates).
-    letters = run_processor(Archiver(tmp_path / "scratch"),
+    letters = run_worker(Archiver(tmp_path / "scratch"),
                             [RawRecord(TRAJECTORIES.name, b"garbage", partition=5)]).dead_letters
     archiver = Archiver(archive_root(tmp_path), flush_rows=3, flush_interval_s=3600)
-    run_processor(archiver, [*events, *letters])
+    run_worker(archiver, [*events, *letters])
     return tmp_path, events
 
 
 def test_archiver_is_registered_and_reads_every_topic_in_assign_mode():
     assert WORKERS["archiver"] is Archiver
     assert Archiver.consumption == "assign"
-    assert {topic.name for topic in Archiver.inputs} == {
+    assert {topic.name for topic in Archiver.consumes} == {
         "crl.runs", "crl.control", "crl.tasks", "crl.trajectories", "crl.extractions", "crl.experience-ops",
         "crl.policy", "crl.train-steps", "crl.bank-snapshots", "crl.dead-letters",
     }

@@ -18,7 +18,7 @@ from pipeline.audit.views import EXPERIENCE_VIEWS, Audit
 from pipeline.bank.replay import replay
 from pipeline.cli import app
 from pipeline.errors import AuditQueryError
-from pipeline.runtime.harness import MEMORY_LOG_ID, run_processor
+from pipeline.runtime.harness import MEMORY_LOG_ID, run_worker
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
@@ -110,7 +110,7 @@ TRAJECTORIES = [
 def run_dir(tmp_path):
     """An archive of OPS (offsets 0-11 of crl.experience-ops) and TRAJECTORIES, in 4-event segments."""
     archiver = Archiver(archive_root(tmp_path), flush_rows=4, flush_interval_s=3600)
-    run_processor(archiver, [*OPS[:5], *TRAJECTORIES[:3], *OPS[5:], *TRAJECTORIES[3:]])
+    run_worker(archiver, [*OPS[:5], *TRAJECTORIES[:3], *OPS[5:], *TRAJECTORIES[3:]])
     return tmp_path
 
 

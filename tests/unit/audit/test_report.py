@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from pipeline.audit.archive import archive_root
 from pipeline.audit.report import OP_KINDS, RunSummary, load_run, write_report
 from pipeline.cli import app
-from pipeline.runtime.harness import run_processor
+from pipeline.runtime.harness import run_worker
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
@@ -145,7 +145,7 @@ def grpo_run(run_id: str = "grpo-1") -> list[Event]:
 
 
 def archived(run_dir, events):
-    run_processor(Archiver(archive_root(run_dir), flush_rows=4, flush_interval_s=3600), events)
+    run_worker(Archiver(archive_root(run_dir), flush_rows=4, flush_interval_s=3600), events)
     return run_dir
 
 

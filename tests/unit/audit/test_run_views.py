@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from pipeline.audit.archive import archive_root
 from pipeline.audit.views import RUN_VIEWS, Audit
 from pipeline.cli import app
-from pipeline.runtime.harness import run_processor
+from pipeline.runtime.harness import run_worker
 from schemas.base import Producer
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
@@ -83,7 +83,7 @@ EVENTS = [
 
 @pytest.fixture
 def run_dir(tmp_path):
-    run_processor(Archiver(archive_root(tmp_path), flush_rows=3, flush_interval_s=3600), EVENTS)
+    run_worker(Archiver(archive_root(tmp_path), flush_rows=3, flush_interval_s=3600), EVENTS)
     return tmp_path
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from infra.kafka import KafkaSettings
 from pipeline.errors import CheckpointError
 from pipeline.models import TinyModelSettings, build_tiny, save_checkpoint
 from pipeline.models.checkpoints import checkpoint_path
 from pipeline.models.policy_follower import PolicyFollower, load_published
 from pipeline.models.settings import GenerationSettings
+from pipeline.runtime.log import MemoryLog
 from schemas.base import Producer
 from schemas.training import PolicyPublished
 
@@ -62,7 +62,7 @@ def test_the_rollout_worker_keeps_its_version_when_a_new_one_is_refused(publishe
     rollout = Rollout.__new__(Rollout)
     rollout.generation = GenerationSettings(micro_batch=8)
     rollout.seed_base = 0
-    rollout.follower = PolicyFollower(KafkaSettings(bootstrap_servers="127.0.0.1:1"), "actor")  # never started
+    rollout.follower = PolicyFollower(MemoryLog().follow, "actor")  # never started
     rollout.player = EpisodePlayer.__new__(EpisodePlayer)
     rollout.player.policy, rollout.player.version = "the policy it had", 0
     rollout._load(published.model_copy(update={"sha256": "f" * 64}))

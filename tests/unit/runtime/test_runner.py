@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.errors import PoisonMessageError, RetryableError, WorkerFailedError
 from pipeline.runtime.blobs import BlobStore
-from pipeline.runtime.harness import Journal, MemoryOutput, RawRecord, run_processor
-from pipeline.runtime.runner import Origin, Processor, Source, SourceIO
+from pipeline.runtime.harness import Journal, MemoryOutput, RawRecord, run_worker
+from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.settings import RunnerSettings
 from schemas.base import Event, Producer
 from schemas.codec import encode
@@ -29,11 +29,11 @@ def _examples() -> dict[str, Event]:
     return {event.kind: event for event in example_events("unit-run")}
 
 
-class EchoStop(Processor):
+class EchoStop(Worker):
     """For every StopRequested, publish a RunFinished with the same reason (a stand-in for real logic)."""
 
     name = "echo"
-    inputs = (CONTROL, TRAJECTORIES, RUNS)
+    consumes = (CONTROL, TRAJECTORIES, RUNS)
 
     def __init__(self) -> None:
         self.seen: list[str] = []
@@ -54,7 +54,7 @@ def _trajectory_payload(**changes: object) -> bytes:
 
 def test_valid_events_are_handled_and_outputs_published_with_positions_committed():
     stop = _examples()["StopRequested"]
-    result = run_processor(EchoStop(), [stop, stop])
+    result = run_worker(EchoStop(), [stop, stop])
     assert [event.kind for event in result.outputs] == ["RunFinished", "RunFinished"]
     assert all(event.reason == "operator pressed Ctrl-C" for event in result.outputs)
     assert result.dead_letters == []
@@ -83,7 +83,7 @@ def test_poison_records_become_dead_letters_and_the_worker_keeps_going(value, er
     stop = _examples()["StopRequested"]
     poison = RawRecord(TRAJECTORIES.name, value, key=b"k1", partition=3)
     blobs = BlobStore(tmp_path / "blobs")
-    result = run_processor(EchoStop(), [stop, poison, stop], blobs=blobs)
+    result = run_worker(EchoStop(), [stop, poison, stop], blobs=blobs)
     assert [event.kind for event in result.outputs] == ["RunFinished", "RunFinished"]
     assert len(result.dead_letters) == 1
     letter = result.dead_letters[0]
@@ -103,7 +103,7 @@ def test_poison_records_become_dead_letters_and_the_worker_keeps_going(value, er
 
 def test_large_poison_record_is_kept_by_claim_check(tmp_path):
     value = b"x" * (300 * 1024)
-    result = run_processor(EchoStop(), [RawRecord(TRAJECTORIES.name, value)], blobs=BlobStore(tmp_path / "blobs"))
+    result = run_worker(EchoStop(), [RawRecord(TRAJECTORIES.name, value)], blobs=BlobStore(tmp_path / "blobs"))
     letter = result.dead_letters[0]
     assert letter.raw_b64 is None
     assert letter.raw_size == len(value)
@@ -111,11 +111,11 @@ def test_large_poison_record_is_kept_by_claim_check(tmp_path):
     assert letter.raw_sha256 == hashlib.sha256(value).hexdigest()
 
 
-class Flaky(Processor):
+class Flaky(Worker):
     """Fails with the given error `failures` times per event, then publishes a RunFinished."""
 
     name = "flaky"
-    inputs = (CONTROL,)
+    consumes = (CONTROL,)
 
     def __init__(self, failures: int, error: type[Exception]) -> None:
         self.failures = failures
@@ -159,7 +159,7 @@ def test_retryable_errors_are_retried_with_backoff_then_succeed():
 def test_retries_exhausted_fail_the_worker_without_committing():
     processor = Flaky(failures=100, error=RetryableError)
     with pytest.raises(WorkerFailedError, match="still failing after 2 retries"):
-        run_processor(processor, [_examples()["StopRequested"]],
+        run_worker(processor, [_examples()["StopRequested"]],
                       settings=RunnerSettings(max_retries=2, retry_backoff_s=0.001))
     assert processor.calls == 3
 
@@ -167,18 +167,18 @@ def test_retries_exhausted_fail_the_worker_without_committing():
 @pytest.mark.parametrize(("error", "expected_class"), [(PoisonMessageError, "PoisonMessageError"),
                                                        (KeyError, "KeyError")])
 def test_handler_errors_dead_letter_the_input(error, expected_class):
-    result = run_processor(Flaky(failures=1, error=error), [_examples()["StopRequested"]] * 2)
+    result = run_worker(Flaky(failures=1, error=error), [_examples()["StopRequested"]] * 2)
     assert [letter.error_class for letter in result.dead_letters] == [expected_class]
     assert "attempt 1 failed" in result.dead_letters[0].error_message
     assert len(result.outputs) == 1  # the second, identical event succeeded
     assert result.committed == {("crl.control", 0): 2}
 
 
-class Buffering(Processor):
+class Buffering(Worker):
     """Buffers events and writes them at flush(), recording the moment in the shared journal."""
 
     name = "buffering"
-    inputs = (TASKS,)
+    consumes = (TASKS,)
 
     def __init__(self, journal: Journal, every: int) -> None:
         self.journal = journal
@@ -203,7 +203,7 @@ def test_state_and_outputs_are_flushed_before_input_offsets_are_committed():
     journal = Journal()
     processor = Buffering(journal, every=3)
     tasks = [_examples()["EpisodeAssigned"]] * 7
-    result = run_processor(processor, tasks, output=MemoryOutput(journal), batch_size=2)
+    result = run_worker(processor, tasks, output=MemoryOutput(journal), batch_size=2)
     assert len(result.outputs) == 7
     kinds = journal.kinds()
     commits = [i for i, kind in enumerate(kinds) if kind == "commit"]
@@ -223,7 +223,7 @@ def test_failed_output_flush_commits_nothing():
     output = MemoryOutput(journal)
     output.fail_next_flush = WorkerFailedError("broker said no")
     with pytest.raises(WorkerFailedError, match="broker said no"):
-        run_processor(EchoStop(), [_examples()["StopRequested"]], output=output)
+        run_worker(EchoStop(), [_examples()["StopRequested"]], output=output)
     assert "commit" not in journal.kinds()
 
 
@@ -273,24 +273,33 @@ def test_stop_request_finishes_the_current_event_then_commits_it():
     assert ("commit", {("crl.control", 0): 1}) in journal.entries
 
 
-class Scheduler(Source):
-    """A small source: publishes one assignment per polled StopRequested... and three on its own."""
+class Announcer(Worker):
+    """Publishes three assignments when it starts, then answers each StopRequested after the poll it came in."""
 
-    name = "unit-source"
-    inputs = (CONTROL,)
+    name = "unit-announcer"
+    consumes = (CONTROL,)
 
-    def run(self, io: SourceIO) -> None:
+    def __init__(self) -> None:
+        self.stops: list[tuple[Event, Origin]] = []
+
+    def start(self, io: WorkerIO) -> None:
         template = _examples()["EpisodeAssigned"]
         for slot in range(3):
             io.publish(template.model_copy(update={"slot": slot}))
-        for event, origin in io.poll():
+
+    def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+        self.stops.append((event, origin))
+        return []
+
+    def after_poll(self, io: WorkerIO) -> None:
+        for event, origin in self.stops:
             io.publish(RunFinished(run_id=event.run_id, producer=PRODUCER, status="stopped", steps_completed=0,
                                    reason=f"control offset {origin.offset}"))
-        io.commit()
+        self.stops.clear()
 
 
-def test_source_publishes_and_polls_through_the_runner():
-    result = run_processor(Scheduler(), [_examples()["StopRequested"], RawRecord(CONTROL.name, b"junk")])
+def test_start_and_after_poll_publish_through_the_runner():
+    result = run_worker(Announcer(), [_examples()["StopRequested"], RawRecord(CONTROL.name, b"junk")])
     assert [event.kind for event in result.outputs] == ["EpisodeAssigned"] * 3 + ["RunFinished"]
     assert [event.slot for event in result.outputs[:3]] == [0, 1, 2]
     assert isinstance(result.outputs[0], EpisodeAssigned)
@@ -302,7 +311,7 @@ def test_source_publishes_and_polls_through_the_runner():
 def test_outputs_carry_registry_keys_and_headers():
     journal = Journal()
     output = MemoryOutput(journal)
-    run_processor(EchoStop(), [_examples()["StopRequested"]], output=output)
+    run_worker(EchoStop(), [_examples()["StopRequested"]], output=output)
     topic, key, _value, headers = output.delivered[0]
     assert topic == "crl.runs"
     assert key == b"unit-run"
@@ -313,9 +322,9 @@ def test_outputs_carry_registry_keys_and_headers():
 def test_trajectory_examples_survive_the_runner_unchanged():
     trajectory = _examples()["TrajectoryCompleted"]
 
-    class Capture(Processor):
+    class Capture(Worker):
         name = "capture"
-        inputs = (TRAJECTORIES,)
+        consumes = (TRAJECTORIES,)
         got: list[TrajectoryCompleted] = []
 
         def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
@@ -323,11 +332,11 @@ def test_trajectory_examples_survive_the_runner_unchanged():
             return []
 
     capture = Capture()
-    run_processor(capture, [trajectory])
+    run_worker(capture, [trajectory])
     assert capture.got == [trajectory]
 
 
-def _runner_over(processor: Processor, events: list, journal: Journal, **options) -> tuple:
+def _runner_over(processor: Worker, events: list, journal: Journal, **options) -> tuple:
     from pipeline.runtime.harness import MemoryInput, to_records
     from pipeline.runtime.runner import Limits, WorkerRunner
 
