@@ -1,0 +1,54 @@
+"""The scheduler through the harness: it announces the run, issues steps as versions and episodes come in, closes
+the run once every episode is in, and a restarted scheduler publishes only what is missing."""
+
+from __future__ import annotations
+
+from harness_setup import RUN, settings_for
+
+from pipeline.runtime.harness import build_worker, run_worker
+from schemas.base import Producer
+from schemas.examples import example_events
+from schemas.runs import RunFinished, RunStarted
+from schemas.tasks import EpisodeAssigned
+from schemas.training import PolicyPublished
+from schemas.trajectories import TrajectoryCompleted
+from workers.scheduler import Scheduler
+
+WHO = Producer(worker="actor_trainer", instance="t-0")
+
+
+def _actor(version: int) -> PolicyPublished:
+    return PolicyPublished(run_id=RUN, producer=WHO, role="actor", version=version, step=version,
+                           checkpoint_uri="file:///nowhere", sha256="0" * 64)
+
+
+def _played(assignments: list[EpisodeAssigned]) -> list[TrajectoryCompleted]:
+    template = next(e for e in example_events(RUN) if isinstance(e, TrajectoryCompleted))
+    return [template.model_copy(update={
+        "assignment_event_id": str(a.event_id), "trajectory_id": f"traj-{a.event_id}", "step": a.step,
+        "group_id": a.group_id, "slot": a.slot, "split": a.split, "guided": False, "retrieved": ()})
+        for a in assignments]
+
+
+def test_the_scheduler_issues_steps_as_versions_come_and_closes_the_run(tmp_path):
+    settings = settings_for(tmp_path, scheduler={"arm": "grpo", "steps": 2, "eval_every": 0, "max_steps_ahead": 0})
+    worker, context = build_worker(Scheduler, settings)
+    first = run_worker(worker, [_actor(0)], context=context)
+    assert isinstance(first.outputs[0], RunStarted) and first.outputs[0].config["scheduler"]["steps"] == 2
+    step0 = [e for e in first.outputs if isinstance(e, EpisodeAssigned)]
+    assert [(a.step, a.slot) for a in step0] == [(0, 0), (0, 1)]  # step 1 waits for actor v1 and step 0's episodes
+    assert not worker.done
+
+    # A restarted scheduler: what it published is on the log; the episodes of step 0 and version 1 come in.
+    worker, context = build_worker(Scheduler, settings, log=first.outputs)
+    second = run_worker(worker, [_actor(0), *_played(step0), _actor(1)], context=context)
+    step1 = [e for e in second.outputs if isinstance(e, EpisodeAssigned)]
+    assert [(a.step, a.slot) for a in step1] == [(1, 0), (1, 1)]
+    assert not any(isinstance(e, RunStarted) for e in second.outputs)  # published before the restart
+    assert not worker.done
+
+    worker, context = build_worker(Scheduler, settings, log=[*first.outputs, *second.outputs])
+    third = run_worker(worker, [_actor(0), _actor(1), *_played(step0), *_played(step1)], context=context)
+    finished = [e for e in third.outputs if isinstance(e, RunFinished)]
+    assert [(e.status, e.steps_completed) for e in finished] == [("completed", 2)]
+    assert worker.done and third.runner.stop_reason == "done"
