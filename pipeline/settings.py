@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettin
 from infra.broker import BrokerSettings
 from infra.db import DbSettings
 from infra.kafka import KafkaSettings
+from pipeline.actor.schedule import Schedule
 from pipeline.actor.settings import RolloutSettings, SchedulerSettings
 from pipeline.bank.settings import BankSettings, EmbeddingSettings, RetrievalSettings
 from pipeline.envs.settings import EnvSettings
@@ -107,6 +108,13 @@ class Settings(BaseSettings):
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or self.run_dir.resolve().name
+
+    def schedule(self) -> Schedule:
+        """The run's schedule: the scheduler's settings with the actor trainer's group size, groups per step and
+        warm-up, so the two cannot disagree."""
+        trainer = self.actor_trainer
+        return Schedule(scheduler=self.scheduler, envs=self.envs, group_size=trainer.group_size,
+                        groups_per_step=trainer.groups_per_step, warmup_steps=trainer.warmup_steps)
 
     def run_config(self) -> dict[str, Any]:
         """These settings as a run config (plain YAML-able data, what `Settings(config=path)` reads back), secrets in

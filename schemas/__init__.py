@@ -16,8 +16,8 @@ from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES, TOPICS, Topic, topic_named, topic_of
-from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 
 __all__ = [
     "EVENT_TYPES", "TOPICS", "BankSnapshotWritten", "DeadLetter", "EmbeddingVector", "EpisodeAssigned", "Event",

@@ -23,8 +23,8 @@ from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES
-from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 
 
 def _sha(text: str) -> str:

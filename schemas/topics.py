@@ -21,8 +21,8 @@ from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRef
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
-from schemas.trajectories import TrajectoryCompleted
 from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
 
 FOREVER = -1
 WEEK_MS = 7 * 24 * 3600 * 1000

@@ -7,9 +7,9 @@ Distillation (consumer group on `crl.trajectories`): every train trajectory (or 
 they stand in the bank now, by alias (`pipeline.extractor.protocol`). One batched generation serves up to `batch_size`
 trajectories. Each answer is parsed strictly; `add` becomes `ExperienceAdded` keyed by the embedding of the
 trajectory's query (goal + first observation), `refine` becomes `ExperienceRefined` expecting the version the
-extractor was shown. The worker publishes `ExtractionGenerated` (prompt and response token ids, sampling log-probs,
-parse status, op ids) and then its ops. Ids derive from the trajectory id, so a re-processed trajectory repeats
-the same ids and the bank and the extractor trainer treat the repeat as a duplicate.
+extractor was shown (`pipeline.extractor.ops`). The worker publishes `ExtractionGenerated` (prompt and response
+token ids, sampling log-probs, parse status, op ids) and then its ops. Ids derive from the trajectory id, so a
+re-processed trajectory repeats the same ids and the bank and the extractor trainer treat the repeat as a duplicate.
 
 Capacity: when the active bank would exceed `capacity`, the oldest experiences are retired (`ExperienceRetired`,
 reason `capacity`), first in, first out.
@@ -33,25 +33,21 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.replica import BankReplica
+from pipeline.bank.retrieval import query_text
+from pipeline.extractor.ops import OpAuthor, Shown, distill_ops, eviction_ops, generation_record, merge_ops
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
     ParseError,
     TrajectoryDigest,
-    capacity_evictions,
     distill_generation_id,
     distill_prompt,
-    eviction_op_id,
     merge_generation_id,
     merge_prompt,
-    new_experience_id,
-    op_id,
     parse_distill,
     parse_merge,
 )
@@ -64,38 +60,13 @@ from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
     ExperienceAdded,
-    ExperienceMerged,
-    ExperienceRefined,
-    ExperienceRetired,
-    VersionedExperience,
 )
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested
 from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, POLICY, TRAJECTORIES
-from schemas.trajectories import ExperienceRef, TrajectoryCompleted
+from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
-
-_NAMESPACE = uuid.UUID("0f6f3f0e-3b1c-4a0e-9d55-7b0a4c1e2d90")
-
-
-def generation_event_id(generation_id: str) -> uuid.UUID:
-    """Deterministic event id of a generation's `ExtractionGenerated` (a repeat is deduplicated downstream)."""
-    return uuid.uuid5(_NAMESPACE, generation_id)
-
-
-@dataclass(frozen=True)
-class Shown:
-    """An experience as the extractor is shown it: the bank's current version."""
-
-    experience_id: str
-    version: int
-    generation_id: str
-    text: str
-
-    def ref(self) -> ExperienceRef:
-        return ExperienceRef(experience_id=self.experience_id, version=self.version, generation_id=self.generation_id)
-
 
 class Extractor(Worker):
     name = "extractor"
@@ -256,71 +227,37 @@ class Extractor(Worker):
                                                  max_chars=s.max_experience_chars), None))
             except ParseError as exc:
                 parsed_all.append(([], str(exc)))
-        from pipeline.bank.retrieval import query_text
-
         # Keys only for trajectories that add an experience: one encode call for the batch.
         adding = [t for t, (parsed, _) in zip(trajectories, parsed_all) if any(op.op == "add" for op in parsed)]
         keys = dict(zip([t.trajectory_id for t in adding], self._keys(
             [query_text(t.goal, t.turns[0].observation if t.turns else "") for t in adding])))
+        author = self._author()
         added = 0
         for trajectory, shown_t, generation, (parsed, error) in zip(trajectories, shown, generations, parsed_all,
                                                                    strict=True):
             generation_id = distill_generation_id(self.run_id, trajectory.trajectory_id)
-            ops: list[Event] = []
-            for index, op in enumerate(parsed):
-                common = dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
-                              text=op.text, generation_id=generation_id, extractor_version=self.version)
-                if op.op == "add":
-                    ops.append(ExperienceAdded(
-                        **common, experience_id=new_experience_id(generation_id, index),
-                        task_family=trajectory.task_family, key=keys[trajectory.trajectory_id],
-                        source_trajectory_ids=(trajectory.trajectory_id,)))
-                else:
-                    target = shown_t[op.alias - 1]  # type: ignore[operator]
-                    ops.append(ExperienceRefined(
-                        **common, experience_id=target.experience_id, expected_version=target.version,
-                        source_trajectory_ids=(trajectory.trajectory_id,)))
+            ops = distill_ops(author, generation_id, trajectory, shown_t, parsed, keys.get(trajectory.trajectory_id))
             added += sum(isinstance(op, ExperienceAdded) for op in ops)
-            self._publish(io, self._generation_event(
-                generation_id, "distill", trajectory.task_family, trajectory.step, (trajectory.trajectory_id,),
-                [e.ref() for e in shown_t], generation, error, ops), ops)
-        for event in self._evictions(generation_id, added):
+            self._publish(io, generation_record(
+                author, generation_id, "distill", trajectory.task_family, trajectory.step, (trajectory.trajectory_id,),
+                shown_t, generation, error, ops), ops)
+        assert self.replica is not None
+        for event in eviction_ops(author, generation_id, self.replica.active_experiences(), added,
+                                  self.settings.capacity):
             self.op_kinds[event.kind] += 1
             io.publish(event)
         io.commit()
         log.info("distilled %d trajectories in %.2fs with extractor version %d; parse status so far %s, ops %s",
                  len(trajectories), seconds, self.version, dict(self.statuses), dict(self.op_kinds))
 
-    def _evictions(self, generation_id: str, pending_adds: int) -> list[ExperienceRetired]:
-        """Retire the oldest experiences while the bank (with `pending_adds` not yet applied) is over capacity; the
-        op ids derive from the batch's last generation."""
-        assert self.replica is not None
-        evicted = capacity_evictions(self.replica.active_experiences(), pending_adds, self.settings.capacity)
-        return [ExperienceRetired(
-            run_id=self.run_id, producer=self.producer, op_id=eviction_op_id(generation_id, index),
-            experience_id=experience.experience_id, expected_version=experience.version, reason="capacity",
-        ) for index, experience in enumerate(evicted)]
-
-    def _generation_event(self, generation_id: str, purpose: str, task_family: str, step: int,
-                          sources: tuple[str, ...], shown: list[ExperienceRef], generation: Generation,
-                          error: str | None, ops: list[Event]) -> ExtractionGenerated:
-        status = "parse_error" if error is not None else "ok" if ops else "no_op"
-        self.statuses[status] += 1
-        for op in ops:
-            self.op_kinds[op.kind] += 1
-        return ExtractionGenerated(
-            event_id=generation_event_id(generation_id), run_id=self.run_id, producer=self.producer,
-            generation_id=generation_id, extractor_version=self.version, purpose=purpose,  # type: ignore[arg-type]
-            task_family=task_family, step=step, source_trajectory_ids=sources, shown=tuple(shown),
-            prompt_token_ids=generation.prompt_token_ids, response_token_ids=generation.token_ids,
-            sampling_logprobs=generation.logprobs, response_text=generation.text,
-            parse_status=status, parse_error=error,  # type: ignore[arg-type]
-            op_ids=tuple(op.op_id for op in ops),  # type: ignore[attr-defined]
-        )
+    def _author(self) -> OpAuthor:
+        return OpAuthor(run_id=self.run_id, producer=self.producer, extractor_version=self.version)
 
     def _publish(self, io: WorkerIO, generation: ExtractionGenerated, ops: list[Event]) -> None:
+        self.statuses[generation.parse_status] += 1
         io.publish(generation)
         for op in ops:
+            self.op_kinds[op.kind] += 1
             io.publish(op)
 
     # -- merging --------------------------------------------------------------------------------------------------
@@ -358,30 +295,8 @@ class Extractor(Worker):
             parsed = parse_merge(generation.text, len(members), max_chars=self.settings.max_experience_chars)
         except ParseError as exc:
             parsed, error = [], str(exc)
-        ops: list[Event] = []
-        carry: Shown | None = None
-        merged = [op for op in parsed if op.op == "merge"]
-        keys = iter(self._keys([op.text for op in merged if op.text is not None]))
-        for index, op in enumerate(parsed):
-            chosen = [members[alias - 1] for alias in op.aliases]
-            common = dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
-                          generation_id=generation_id, extractor_version=self.version)
-            if op.op == "merge":
-                experience_id = new_experience_id(generation_id, index)
-                ops.append(ExperienceMerged(
-                    **common, experience_id=experience_id, task_family=family, text=op.text, key=next(keys),
-                    sources=tuple(VersionedExperience(experience_id=m.experience_id, expected_version=m.version)
-                                  for m in chosen)))
-                carry = Shown(experience_id, 1, generation_id, op.text or "")
-            elif op.op == "rewrite":
-                target = chosen[0]
-                ops.append(ExperienceRefined(**common, experience_id=target.experience_id,
-                                             expected_version=target.version, text=op.text))
-                carry = Shown(target.experience_id, target.version + 1, generation_id, op.text or "")
-            elif op.op == "discard":
-                ops.append(ExperienceRetired(**common, experience_id=chosen[0].experience_id,
-                                             expected_version=chosen[0].version, reason="merge_discard"))
-        self._publish(io, self._generation_event(
-            generation_id, "merge", family, request.step, (), [m.ref() for m in members], generation, error, ops),
-            ops)
+        keys = self._keys([op.text or "" for op in parsed if op.op == "merge"])
+        ops, carry = merge_ops(self._author(), generation_id, family, members, parsed, keys)
+        self._publish(io, generation_record(self._author(), generation_id, "merge", family, request.step, (), members,
+                                            generation, error, ops), ops)
         return carry

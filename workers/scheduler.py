@@ -30,14 +30,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from pipeline.actor.metrics import episode_metrics, summary_line
-from pipeline.envs.registry import draw_tasks, env_spec, task_pool
+from pipeline.actor.schedule import scheduled_id
+from pipeline.envs.registry import env_spec
 from pipeline.provenance import code_version, resolved_config
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.log import events_to_end
 from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import OffsetStore
-from pipeline.settings import Settings
 from schemas.base import Event, Producer
 from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
@@ -46,77 +46,6 @@ from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
-
-_NAMESPACE = uuid.UUID("9b1f3c52-6f0e-4d8b-a7f4-2c61e0d4b9a3")
-EVAL_GROUP_SIZE = 2
-"""Evaluation plays each eval task twice: slot 0 guided, slot 1 free (the `grpo` arm: one free slot)."""
-
-
-def scheduled_id(run_id: str, *parts: object) -> uuid.UUID:
-    """The deterministic event id of something the scheduler publishes."""
-    return uuid.uuid5(_NAMESPACE, "/".join([run_id, *map(str, parts)]))
-
-
-def required_version(settings: Settings, step: int) -> int:
-    """Oldest actor version allowed to play `step`: every trainable step before it, less the staleness bound."""
-    if settings.scheduler.arm == "exp_only":
-        return 0  # the actor is frozen: version 0 plays every step
-    return max(0, step - settings.actor_trainer.warmup_steps - settings.scheduler.staleness)
-
-
-def guided_slots(settings: Settings, step: int, group_size: int) -> int:
-    if settings.scheduler.arm == "grpo" or step < settings.actor_trainer.warmup_steps:
-        return 0
-    return group_size // 2
-
-
-def eval_due(settings: Settings, step: int) -> bool:
-    every = settings.scheduler.eval_every
-    return every > 0 and (step % every == 0 or step == settings.scheduler.steps - 1)
-
-
-def merge_due(settings: Settings, step: int) -> bool:
-    """Whether `MergeRequested` (for the steps before) precedes step `step`."""
-    every = settings.scheduler.merge_every
-    return every > 0 and settings.scheduler.arm != "grpo" and step > 0 and step % every == 0
-
-
-def train_assignments(settings: Settings, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
-    """The train slots of `step`, in publishing order (group, slot)."""
-    k = settings.actor_trainer.group_size
-    guided = guided_slots(settings, step, k)
-    version = required_version(settings, step)
-    episodes = []
-    for g, (entry, seed) in enumerate(draw_tasks(settings.envs, step, settings.actor_trainer.groups_per_step)):
-        spec = env_spec(entry.env_id)
-        group_id = f"s{step:06d}-g{g:03d}"
-        for slot in range(k):
-            episodes.append(EpisodeAssigned(
-                event_id=scheduled_id(run_id, "train", step, g, slot), run_id=run_id, producer=producer, step=step,
-                split="train", env_id=entry.env_id, task_family=spec.task_family, seed=seed, group_id=group_id,
-                slot=slot, group_size=k, guided=slot < guided, policy_version=version,
-                max_turns=entry.max_turns or spec.max_turns))
-    return episodes
-
-
-def eval_assignments(settings: Settings, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
-    """Evaluation slots after `step`: every task of every environment's eval pool, guided and free."""
-    size = 1 if settings.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
-    version = required_version(settings, step)
-    episodes = []
-    for entry in settings.envs.tasks:
-        spec = env_spec(entry.env_id)
-        pool = task_pool(entry.env_id, "eval", settings.envs.eval_tasks_per_env, settings.envs.seed)
-        for t, seed in enumerate(pool):
-            group_id = f"eval-s{step:06d}-{entry.env_id}-t{t:03d}"
-            for slot in range(size):
-                episodes.append(EpisodeAssigned(
-                    event_id=scheduled_id(run_id, "eval", step, entry.env_id, t, slot), run_id=run_id,
-                    producer=producer, step=step, split="eval", env_id=entry.env_id, task_family=spec.task_family,
-                    seed=seed, group_id=group_id, slot=slot, group_size=size, guided=size > 1 and slot == 0,
-                    policy_version=version, max_turns=entry.max_turns or spec.max_turns))
-    return episodes
-
 
 @dataclass
 class _StepRecord:
@@ -135,6 +64,7 @@ class Scheduler(Worker):
 
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings
+        self.schedule = context.settings.schedule()
         self.log = context.log
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
@@ -206,7 +136,7 @@ class Scheduler(Worker):
                 train = [e for e in planned if isinstance(e, EpisodeAssigned) and e.split == "train"]
                 log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s",
                          step, len(train), sum(e.guided for e in train), len(self.steps[step].eval_ids),
-                         required_version(self.settings, step),
+                         self.schedule.required_version(step),
                          ", merge requested" if any(isinstance(e, MergeRequested) for e in planned) else "")
             self.next_step += 1
         if not self._all_finished():
@@ -215,9 +145,9 @@ class Scheduler(Worker):
 
     def _planned(self, step: int) -> list[Event]:
         """What step `step` publishes: a merge request if due, its train groups, its evaluation if due."""
-        train = train_assignments(self.settings, self.run_id, self.producer, step)
-        evaluation = eval_assignments(self.settings, self.run_id, self.producer, step) \
-            if eval_due(self.settings, step) else []
+        train = self.schedule.train_assignments(self.run_id, self.producer, step)
+        evaluation = self.schedule.eval_assignments(self.run_id, self.producer, step) \
+            if self.schedule.eval_due(step) else []
         record = self.steps.setdefault(step, _StepRecord())
         record.train_ids = {e.event_id for e in train}
         record.eval_ids = {e.event_id for e in evaluation}
@@ -225,7 +155,7 @@ class Scheduler(Worker):
             event_id=scheduled_id(self.run_id, "merge", step - 1), run_id=self.run_id, producer=self.producer,
             merge_id=f"{self.run_id}-merge-{step - 1:06d}", step=step - 1,
             task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
-        )] if merge_due(self.settings, step) else []
+        )] if self.schedule.merge_due(step) else []
         return [*merge, *train, *evaluation]
 
     def _waiting(self, what: str) -> None:
@@ -236,7 +166,7 @@ class Scheduler(Worker):
                      len(self.finished))
 
     def _ready(self, step: int) -> bool:
-        needed = required_version(self.settings, step)
+        needed = self.schedule.required_version(step)
         if needed > 0 and self.actor_version < needed:
             return False
         if step == 0 and self.settings.scheduler.arm != "grpo" and self.extractor_version < 0:

@@ -10,18 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.models.settings import GenerationSettings
 
 Arm = Literal["complementary", "grpo", "static_extractor", "exp_only"]
-ARMS_WITH_A_BANK: frozenset[str] = frozenset({"complementary", "static_extractor", "exp_only"})
-"""Every arm but `grpo` keeps an experience bank (and needs the workers that make and keep it)."""
 """Which method a run trains (PAPER.md baselines): `complementary` trains both models with guided/free groups;
 `grpo` trains the actor alone, every slot free, no bank; `static_extractor` freezes the extractor; `exp_only` freezes
 the actor and trains only the extractor."""
+ARMS_WITH_A_BANK: frozenset[str] = frozenset({"complementary", "static_extractor", "exp_only"})
+"""Every arm but `grpo` keeps an experience bank (and needs the workers that make and keep it)."""
 
 
 class SchedulerSettings(BaseModel):
     """When the run plays what (the tasks are the environments' section, `CRL_ENVS__TASKS`). Environment:
-    `CRL_SCHEDULER__<FIELD>`. Group size, groups per step and
-    warm-up are the actor trainer's (`CRL_ACTOR_TRAINER__GROUP_SIZE`, `__GROUPS_PER_STEP`, `__WARMUP_STEPS`), so the
-    scheduler and the trainer cannot disagree."""
+    `CRL_SCHEDULER__<FIELD>`. Group size, groups per step and warm-up are the actor trainer's
+    (`CRL_ACTOR_TRAINER__GROUP_SIZE`, `__GROUPS_PER_STEP`, `__WARMUP_STEPS`), so the scheduler and the trainer cannot
+    disagree."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -186,8 +186,6 @@ class BankReplica(LocalBank):
         self.run_dir = run_dir
         self.skipped = 0
         """Records that did not decode (the bank worker dead-letters them)."""
-        self._read_to = 0
-        """Next offset read from the partition, skipped records included."""
         state, index = None, None
         restored = restore_newest(snapshots_root(run_dir), self.log_id) if run_dir is not None else None
         if restored is not None:
@@ -195,7 +193,6 @@ class BankReplica(LocalBank):
             index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
             log.info("replica starts from snapshot %s", snapshot.name)
         super().__init__(state, exact_threshold, index)
-        self._read_to = self.state.next_offset
         self.follower: Follower = follow([EXPERIENCE_OPS_TOPIC], self._on_record,
                                          start={(EXPERIENCE_OPS_TOPIC.name, 0): self.state.next_offset},
                                          name="bank-replica")
@@ -218,7 +215,6 @@ class BankReplica(LocalBank):
             self.skipped += 1
         else:
             self.apply(op, record.offset)  # type: ignore[arg-type]
-        self._read_to = record.offset + 1
 
     def caught_up(self) -> bool:
         """True once every op up to the high watermark last seen is applied."""

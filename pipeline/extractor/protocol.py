@@ -1,6 +1,7 @@
-"""What the extractor reads and writes, without Kafka or a model: prompts, the strict answer parser, and turning
-parsed answers into experience ops. The extractor worker (`workers/extractor.py`) and the warm start
-(`pipeline/rl/warm_start.py`) both build on it, so the tiny preset learns exactly the format the worker parses.
+"""What the extractor reads and writes, without Kafka or a model: prompts, the strict answer parser, and the ids of
+what it publishes (`pipeline.extractor.ops` turns parsed answers into those events). The extractor worker
+(`workers/extractor.py`) and the warm start (`pipeline/rl/warm_start.py`) both build on it, so the tiny preset learns
+exactly the format the worker parses.
 
 Distillation. The prompt holds the goal, the trajectory (its first observation, the actions with invalid ones marked,
 never the experience that was injected), the outcome, and the experiences that were shown by alias:

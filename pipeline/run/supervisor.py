@@ -7,10 +7,11 @@ What it does, in order:
 1. uses the Kafka named by `CRL_KAFKA__BOOTSTRAP_SERVERS`, or starts the embedded broker (`--broker tansu`, the
    default, memory-only; or `--broker kafka`, Apache Kafka with its log in `RUN_DIR/kafka/`) and writes
    `broker.json` into the run directory; creates every topic;
-2. starts every worker the arm needs as a `crl worker` subprocess (`launch.rollout_workers` rollout and
-   `launch.extractor_workers` extractor instances; the `grpo` arm has no bank, extractor or extractor trainer), each
-   in its own session so a terminal Ctrl-C reaches only this process, each with its log under `logs/` (pids in
-   `workers.json`);
+2. starts every worker kind of the `crl.workers` registry the arm needs as `crl worker` subprocesses, consumers
+   first and the scheduler last (`pipeline.run.plan` derives the kinds, their order and their counts, such as
+   `launch.rollout_workers`, from what each kind declares; the `grpo` arm has no bank, extractor or extractor
+   trainer), each in its own session so a terminal Ctrl-C reaches only this process, each with its log under
+   `logs/` (pids in `workers.json`);
 3. follows every topic from offset 0 and shows the run live: step, success of guided and free episodes, evaluation,
    bank size (the op log applied with the bank's own rules), op mix, parse statuses, extractor reward, and per worker
    its state, restarts, events and lag (from the metrics every worker writes under `metrics/`);
@@ -19,8 +20,8 @@ What it does, in order:
 5. after `RunFinished`, waits until the run has drained: no new record for a while, and every live worker has
    written two metrics lines since the last one, both with no lag (so the extractor has distilled the last
    trajectories, the trainers have seen them, the bank has applied every op and the archiver has read everything);
-6. stops the workers with SIGTERM (each finishes its current event, flushes and commits), the archiver last, then
-   the broker; writes the report (`crl report`) and prints the commands to look at the run.
+6. stops the workers with SIGTERM in the reverse order (each finishes its current event, flushes and commits), the
+   archiver last, then the broker; writes the report (`crl report`) and prints the commands to look at the run.
 
 Ctrl-C asks the scheduler to stop (`StopRequested`), then drains and stops as above, so everything that was
 recorded is archived; a second Ctrl-C stops the workers without waiting for the drain (each still flushes and
@@ -46,10 +47,11 @@ from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
 from infra.kafka import make_admin, make_producer
 from pipeline.errors import RunFailedError
-from pipeline.run.plan import STOP_ORDER, worker_plan
+from pipeline.run.plan import planned_kinds, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
 from pipeline.run.view import live_view, numbers, summary_line
+from pipeline.runtime.launch import load_worker_registry
 from pipeline.settings import Settings
 from schemas.base import Producer
 from schemas.codec import encode
@@ -71,7 +73,10 @@ class RunSupervisor:
         self.run_dir = settings.run_dir
         self.run_id = settings.resolved_run_id
         self.broker: EmbeddedBroker | None = None
-        self.workers = [WorkerProcess(kind, instance) for kind, instance in worker_plan(settings)]
+        registry = load_worker_registry()
+        self.kinds = planned_kinds(settings, registry)
+        """The run's worker kinds in start order."""
+        self.workers = [WorkerProcess(kind, instance) for kind, instance in worker_plan(settings, registry)]
         self.progress = RunProgress(self.run_id)
         self.follower: LogFollower | None = None
         self.interrupts = 0
@@ -229,7 +234,7 @@ class RunSupervisor:
     def _check_workers(self, finished: bool) -> None:
         for worker in self.workers:
             code = worker.process.poll() if worker.process is not None else None
-            if code is None or (finished and code == 0) or (worker.kind == "scheduler" and code == 0):
+            if code is None or (finished and code == 0) or (self.kinds[worker.kind].clock and code == 0):
                 continue  # running, or done with the run
             if worker.restarts >= self.settings.launch.max_restarts:
                 if not self.stop_sent:
@@ -256,7 +261,7 @@ class RunSupervisor:
         return True
 
     def _stop_workers(self) -> None:
-        for kind in STOP_ORDER:
+        for kind in reversed(self.kinds):
             group = [w for w in self.workers if w.kind == kind and w.running]
             for worker in group:
                 worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
@@ -267,8 +272,6 @@ class RunSupervisor:
                     self.console.print(f"[red]{worker.instance} did not stop in 60s; killed[/red]")
                     worker.process.kill()  # type: ignore[union-attr]
                     worker.process.wait()  # type: ignore[union-attr]
-
-    # -- the view -------------------------------------------------------------------------------------------------
 
     # -- the view -------------------------------------------------------------------------------------------------
 

@@ -90,6 +90,56 @@ def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
     assert not (run_dir / "broker.json").exists()
 
 
+STEP_COUNTER = '''
+from pipeline.runtime.runner import Worker
+from schemas.topics import TRAIN_STEPS
+
+
+class StepCounter(Worker):
+    """A worker kind from another package: it writes down every train step it reads."""
+
+    name = "step_counter"
+    consumes = (TRAIN_STEPS,)
+
+    def __init__(self, run_dir):
+        self.path = run_dir / "counted.txt"
+
+    @classmethod
+    def build(cls, context):
+        return cls(context.settings.run_dir)
+
+    def handle(self, event, origin):
+        with self.path.open("a") as out:
+            out.write(f"{event.role} {event.step}\\n")
+        return ()
+
+
+WORKERS = {StepCounter.name: StepCounter}
+'''
+
+
+def test_crl_run_starts_a_worker_kind_another_package_registers(tmp_path):
+    """A package that publishes a `crl.workers` entry point adds a worker kind: `crl run` starts it in the order its
+    declarations give (it reads train steps, so it starts before the actor trainer) and stops it with the rest."""
+    plugin = tmp_path / "plugin"
+    (plugin / "crl_step_counter-0.1.dist-info").mkdir(parents=True)
+    (plugin / "crl_step_counter-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: crl-step-counter\nVersion: 0.1\n")
+    (plugin / "crl_step_counter-0.1.dist-info" / "entry_points.txt").write_text(
+        "[crl.workers]\nstep_counter = step_counter:WORKERS\n")
+    (plugin / "step_counter.py").write_text(STEP_COUNTER)
+    run_dir = tmp_path / "run"
+    pythonpath = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
+    process = _start(run_dir, steps=1, PYTHONPATH=pythonpath)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    table = json.loads((run_dir / "workers.json").read_text())
+    assert list(table) == ["archiver-0", "step_counter-0", "actor_trainer-0", "rollout-0", "scheduler-0"]
+    assert (run_dir / "counted.txt").read_text() == "actor 0\n"
+    assert "stopped (SIGTERM)" in (run_dir / "logs" / "step_counter-0.log").read_text()
+    assert not any(_alive(w["pid"]) for w in table.values())
+
+
 def test_crl_run_uses_the_kafka_it_is_given(kafka_bootstrap, tmp_path):
     from infra.kafka import KafkaSettings
     from pipeline.runtime.log import read_to_end

@@ -323,3 +323,41 @@ def test_nothing_imports_workers() -> None:
     importers = sorted(module for module, targets in graph.items()
                        if not module.startswith("workers") and any(t.startswith("workers") for t in targets))
     assert importers == []
+
+
+# --- Kafka is read in one place ------------------------------------------------------------------------------------
+
+KAFKA_READERS = ("infra/", "pipeline/runtime/")
+"""Where Kafka consumers are made and polled: the client wiring (`infra`) and the runtime (the runner's inputs,
+`pipeline.runtime.log`'s followers and read-to-end). Everything else reads through them."""
+CONSUMER_CALLS = frozenset({"make_consumer", "KafkaConsumer", "poll"})
+
+
+def consumer_calls_in(source: str, file: str) -> list[str]:
+    """`file:line calls poll(` for every consumer construction or poll in `source` (a child process's `poll()` is
+    not Kafka's: calls on a name or attribute containing `process` are skipped)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=file)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if name not in CONSUMER_CALLS:
+            continue
+        if name == "poll" and isinstance(func, ast.Attribute) and "process" in ast.unparse(func.value).lower():
+            continue
+        found.append((node.lineno, name))
+    return [f"{file}:{line} calls {name}(" for line, name in sorted(found)]
+
+
+def test_the_consumer_check_finds_a_poll_and_skips_a_process() -> None:
+    source = "def handle(self):\n    records = self.consumer.poll(timeout_ms=10)\n    code = worker.process.poll()\n"
+    assert consumer_calls_in(source, "workers/x.py") == ["workers/x.py:2 calls poll("]
+    assert consumer_calls_in("c = make_consumer(kafka)\n", "pipeline/bank/x.py") == [
+        "pipeline/bank/x.py:1 calls make_consumer("]
+
+
+def test_only_the_runtime_and_infra_make_or_poll_kafka_consumers() -> None:
+    found = [call for package in ("pipeline", "workers") for file, source in sources_of(package).items()
+             if not file.startswith(KAFKA_READERS) for call in consumer_calls_in(source, file)]
+    assert found == []

@@ -1,5 +1,5 @@
-"""The scheduler's plan as pure functions of the settings and the step (hand-worked values), episode metrics, the
-rollout worker's prompt and held-back positions, and the run configs in configs/."""
+"""The run's schedule (`Settings.schedule()`) as pure functions of the settings and the step (hand-worked values),
+episode metrics, the rollout worker's prompt and held-back positions, and the run configs in configs/."""
 
 from __future__ import annotations
 
@@ -10,21 +10,13 @@ from pydantic import ValidationError
 
 from pipeline.actor.episodes import Episode, EpisodePlayer, actor_prompt
 from pipeline.actor.metrics import episode_metrics, summary_line
+from pipeline.actor.schedule import scheduled_id
 from pipeline.envs.registry import task_pool
 from pipeline.errors import ConfigError
 from pipeline.settings import Settings
 from schemas.base import Producer
 from schemas.trajectories import Timings, TrajectoryCompleted, Turn
 from workers.rollout import Rollout
-from workers.scheduler import (
-    eval_assignments,
-    eval_due,
-    guided_slots,
-    merge_due,
-    required_version,
-    scheduled_id,
-    train_assignments,
-)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
 PRODUCER = Producer(worker="scheduler", instance="s-0")
@@ -32,48 +24,49 @@ PRODUCER = Producer(worker="scheduler", instance="s-0")
 
 def _settings(eval_tasks_per_env: int = 8, **scheduler: object) -> Settings:
     return Settings(scheduler={"steps": 6, **scheduler},
-                    envs={"tasks": [{"env_id": "MiniHack-Room-Random-5x5-v0"}], "eval_tasks_per_env": eval_tasks_per_env},
+                    envs={"tasks": [{"env_id": "MiniHack-Room-Random-5x5-v0"}],
+                          "eval_tasks_per_env": eval_tasks_per_env},
                     actor_trainer={"group_size": 4, "groups_per_step": 2, "warmup_steps": 2})
 
 
 def test_required_version_is_the_staleness_bound():
     on_policy = _settings()
-    assert [required_version(on_policy, s) for s in range(6)] == [0, 0, 0, 1, 2, 3]  # steps 0, 1 are warm-up
+    assert [on_policy.schedule().required_version(s) for s in range(6)] == [0, 0, 0, 1, 2, 3]  # steps 0, 1 are warm-up
     stale = _settings(staleness=1)
-    assert [required_version(stale, s) for s in range(6)] == [0, 0, 0, 0, 1, 2]
-    assert [required_version(_settings(arm="exp_only"), s) for s in range(6)] == [0] * 6
+    assert [stale.schedule().required_version(s) for s in range(6)] == [0, 0, 0, 0, 1, 2]
+    assert [_settings(arm="exp_only").schedule().required_version(s) for s in range(6)] == [0] * 6
 
 
 def test_guided_slots_merges_and_evaluations():
     settings = _settings(merge_every=2, eval_every=4)
-    assert [guided_slots(settings, s, 4) for s in range(4)] == [0, 0, 2, 2]
-    assert [guided_slots(_settings(arm="grpo"), s, 4) for s in range(4)] == [0, 0, 0, 0]
-    assert [merge_due(settings, s) for s in range(6)] == [False, False, True, False, True, False]
-    assert not any(merge_due(_settings(arm="grpo", merge_every=2), s) for s in range(6))
-    assert [eval_due(settings, s) for s in range(6)] == [True, False, False, False, True, True]  # and the last
-    assert not any(eval_due(_settings(eval_every=0), s) for s in range(6))
+    assert [settings.schedule().guided_slots(s) for s in range(4)] == [0, 0, 2, 2]
+    assert [_settings(arm="grpo").schedule().guided_slots(s) for s in range(4)] == [0, 0, 0, 0]
+    assert [settings.schedule().merge_due(s) for s in range(6)] == [False, False, True, False, True, False]
+    assert not any(_settings(arm="grpo", merge_every=2).schedule().merge_due(s) for s in range(6))
+    # Evaluation every 4 steps and after the last.
+    assert [settings.schedule().eval_due(s) for s in range(6)] == [True, False, False, False, True, True]
+    assert not any(_settings(eval_every=0).schedule().eval_due(s) for s in range(6))
 
 
 def test_train_assignments_are_groups_of_one_task_with_deterministic_ids():
-    settings = _settings()
-    step3 = train_assignments(settings, "run", PRODUCER, 3)
+    schedule = _settings().schedule()
+    step3 = schedule.train_assignments("run", PRODUCER, 3)
     assert len(step3) == 8 and [(a.group_id, a.slot, a.guided) for a in step3[:4]] == [
         ("s000003-g000", 0, True), ("s000003-g000", 1, True), ("s000003-g000", 2, False), ("s000003-g000", 3, False)]
     assert len({a.seed for a in step3[:4]}) == 1 and all(a.policy_version == 1 for a in step3)
     assert all(a.max_turns == 30 and a.task_family == "minihack-room" and a.split == "train" for a in step3)
-    assert [a.event_id for a in step3] == [a.event_id for a in train_assignments(settings, "run", PRODUCER, 3)]
+    assert [a.event_id for a in step3] == [a.event_id for a in schedule.train_assignments("run", PRODUCER, 3)]
     assert step3[0].event_id == scheduled_id("run", "train", 3, 0, 0)
-    assert not set(a.event_id for a in step3) & set(a.event_id for a in train_assignments(settings, "other", PRODUCER,
-                                                                                          3))
+    assert not {a.event_id for a in step3} & {a.event_id for a in schedule.train_assignments("other", PRODUCER, 3)}
 
 
 def test_eval_assignments_cover_the_fixed_eval_pool_guided_and_free():
     settings = _settings(eval_tasks_per_env=3)
-    episodes = eval_assignments(settings, "run", PRODUCER, 4)
+    episodes = settings.schedule().eval_assignments("run", PRODUCER, 4)
     pool = task_pool("MiniHack-Room-Random-5x5-v0", "eval", 3, 0)
     assert [(a.seed, a.slot, a.guided) for a in episodes] == [(s, slot, slot == 0) for s in pool for slot in (0, 1)]
     assert all(a.split == "eval" and a.group_size == 2 for a in episodes)
-    grpo = eval_assignments(_settings(arm="grpo", eval_tasks_per_env=3), "run", PRODUCER, 4)
+    grpo = _settings(arm="grpo", eval_tasks_per_env=3).schedule().eval_assignments("run", PRODUCER, 4)
     assert [(a.slot, a.guided, a.group_size) for a in grpo] == [(0, False, 1)] * 3
 
 
@@ -102,7 +95,7 @@ def test_episode_metrics_hand_worked():
 
 
 def test_actor_prompt_shows_the_experience_but_the_observation_stays_clean():
-    assignment = train_assignments(_settings(), "run", PRODUCER, 3)[0]
+    assignment = _settings().schedule().train_assignments("run", PRODUCER, 3)[0]
     episode = Episode(assignment, ("crl.tasks", 0), 7, env=None, goal="reach the staircase down (>)",  # type: ignore[arg-type]
                       observation="Map:\n.@>", experience="Walk east to the stairs.", history=["east", "(invalid)"])
     prompt = actor_prompt(episode, history_turns=1, asks_left=0)
@@ -118,7 +111,7 @@ def test_rollout_commits_no_further_than_its_oldest_unfinished_episode():
 
     from pipeline.runtime.runner import Origin
 
-    assignment = train_assignments(_settings(), "run", PRODUCER, 0)[0]
+    assignment = _settings().schedule().train_assignments("run", PRODUCER, 0)[0]
     rollout.player = EpisodePlayer.__new__(EpisodePlayer)
     rollout.player.active = [Episode(assignment, ("crl.tasks", 1), 5, None, "g", "o")]  # type: ignore[arg-type]
     rollout.queue = deque([(assignment, Origin("crl.tasks", 2, 9, 0, None))])

@@ -12,14 +12,16 @@ from rich.console import Console
 
 from pipeline.actor.settings import SchedulerSettings
 from pipeline.errors import ConfigError
-from pipeline.run.plan import check_run_dir, worker_plan
+from pipeline.run.plan import check_run_dir, start_order, worker_plan
 from pipeline.run.processes import last_metrics
 from pipeline.run.progress import RunProgress
 from pipeline.run.supervisor import RunSupervisor
+from pipeline.runtime.runner import Worker
 from pipeline.settings import LaunchSettings, Settings
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import ExperienceAdded, ExperienceRefined
+from schemas.topics import TASKS, TRAIN_STEPS, TRAJECTORIES
 
 PRODUCER = Producer(worker="extractor", instance="extractor-0")
 
@@ -29,20 +31,49 @@ def _settings(tmp_path: Path, arm: str = "complementary", **launch: int) -> Sett
                     launch=LaunchSettings(**launch))
 
 
-def test_every_arm_with_a_bank_starts_every_worker_kind_in_order(tmp_path):
+def test_every_arm_with_a_bank_starts_every_worker_kind_consumers_first(tmp_path):
     plan = worker_plan(_settings(tmp_path, rollout_workers=2, extractor_workers=3))
-    assert plan == [("archiver", "archiver-0"), ("bank", "bank-0"), ("actor_trainer", "actor_trainer-0"),
-                    ("extractor_trainer", "extractor_trainer-0"), ("extractor", "extractor-0"),
-                    ("extractor", "extractor-1"), ("extractor", "extractor-2"), ("rollout", "rollout-0"),
+    assert plan == [("archiver", "archiver-0"), ("bank", "bank-0"), ("extractor_trainer", "extractor_trainer-0"),
+                    ("extractor", "extractor-0"), ("extractor", "extractor-1"), ("extractor", "extractor-2"),
+                    ("actor_trainer", "actor_trainer-0"), ("rollout", "rollout-0"),
                     ("rollout", "rollout-1"), ("scheduler", "scheduler-0")]
     for arm in ("static_extractor", "exp_only"):
         assert [kind for kind, _ in worker_plan(_settings(tmp_path, arm))] == \
-            ["archiver", "bank", "actor_trainer", "extractor_trainer", "extractor", "rollout", "scheduler"]
+            ["archiver", "bank", "extractor_trainer", "extractor", "actor_trainer", "rollout", "scheduler"]
 
 
 def test_the_grpo_arm_has_no_bank_and_no_extractor(tmp_path):
     assert [kind for kind, _ in worker_plan(_settings(tmp_path, "grpo"))] == \
         ["archiver", "actor_trainer", "rollout", "scheduler"]
+
+
+def _kind(name: str, consumes=(), produces=(), **declared) -> type[Worker]:
+    return type(name, (Worker,), {"name": name, "consumes": consumes, "produces": produces, **declared})
+
+
+def test_the_plan_follows_what_each_kind_declares(tmp_path):
+    registry = {
+        "clock": _kind("clock", consumes=(TRAJECTORIES,), produces=(TASKS,), clock=True),
+        "player": _kind("player", consumes=(TASKS,), produces=(TRAJECTORIES,), instances="rollout_workers"),
+        "scorer": _kind("scorer", consumes=(TRAJECTORIES,), produces=(TRAIN_STEPS,)),
+        "auditor": _kind("auditor", consumes=(TRAIN_STEPS, TASKS)),
+        "banked": _kind("banked", consumes=(TASKS,), arms=frozenset({"complementary"})),
+    }
+    assert start_order(registry) == ["auditor", "scorer", "player", "banked", "clock"]
+    assert worker_plan(_settings(tmp_path, "grpo", rollout_workers=2), registry) == [
+        ("auditor", "auditor-0"), ("scorer", "scorer-0"), ("player", "player-0"), ("player", "player-1"),
+        ("clock", "clock-0")]
+
+
+def test_a_plan_that_cannot_be_ordered_names_the_problem(tmp_path):
+    cycle = {"a": _kind("a", consumes=(TASKS,), produces=(TRAJECTORIES,)),
+             "b": _kind("b", consumes=(TRAJECTORIES,), produces=(TASKS,))}
+    with pytest.raises(ConfigError, match=r"cycle.*'a': \['b'\].*'b': \['a'\]"):
+        start_order(cycle)
+    with pytest.raises(ConfigError, match="more than one worker kind declares itself the run's clock"):
+        start_order({"a": _kind("a", clock=True), "b": _kind("b", clock=True)})
+    with pytest.raises(ConfigError, match="launch.gpus, which is not a launch setting"):
+        worker_plan(_settings(tmp_path), {"a": _kind("a", instances="gpus")})
 
 
 def _added(experience_id: str, offset_text: str = "lesson") -> ExperienceAdded:

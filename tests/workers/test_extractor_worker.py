@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from harness_setup import RUN, TINY, publish_policy, settings_for
 
+from pipeline.extractor.ops import generation_event_id
 from pipeline.extractor.protocol import distill_generation_id, merge_generation_id
 from pipeline.models import build_tiny
 from pipeline.rl.synthetic import synthetic_trajectories
@@ -17,7 +18,7 @@ from schemas.experiences import ExperienceAdded
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested
 from schemas.trajectories import ExperienceRef
-from workers.extractor import Extractor, generation_event_id
+from workers.extractor import Extractor
 
 
 def _lesson(settings, experience_id: str, text: str, seed: int) -> ExperienceAdded:

@@ -1,0 +1,95 @@
+"""The run's schedule as pure functions of its settings and the step: which actor version may play a step, how many
+slots of a group are guided, when merges and evaluations fall, and the `EpisodeAssigned` events of every train and
+evaluation slot, with deterministic ids (so a restarted scheduler publishes exactly what is missing).
+
+    schedule = settings.schedule()
+    schedule.train_assignments(run_id, producer, step=3)     # the same events every time
+
+Group size, groups per step and warm-up are the actor trainer's settings, passed in here, so the scheduler and the
+trainer cannot disagree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pipeline.actor.settings import SchedulerSettings
+from pipeline.envs.registry import draw_tasks, env_spec, task_pool
+from pipeline.envs.settings import EnvSettings
+from schemas.base import Producer
+from schemas.tasks import EpisodeAssigned
+
+_NAMESPACE = uuid.UUID("9b1f3c52-6f0e-4d8b-a7f4-2c61e0d4b9a3")
+EVAL_GROUP_SIZE = 2
+"""Evaluation plays each eval task twice: slot 0 guided, slot 1 free (the `grpo` arm: one free slot)."""
+
+
+def scheduled_id(run_id: str, *parts: object) -> uuid.UUID:
+    """The deterministic event id of something the scheduler publishes."""
+    return uuid.uuid5(_NAMESPACE, "/".join([run_id, *map(str, parts)]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    scheduler: SchedulerSettings
+    envs: EnvSettings
+    group_size: int
+    groups_per_step: int
+    warmup_steps: int
+
+    def required_version(self, step: int) -> int:
+        """Oldest actor version allowed to play `step`: every trainable step before it, less the staleness bound."""
+        if self.scheduler.arm == "exp_only":
+            return 0  # the actor is frozen: version 0 plays every step
+        return max(0, step - self.warmup_steps - self.scheduler.staleness)
+
+    def guided_slots(self, step: int) -> int:
+        if self.scheduler.arm == "grpo" or step < self.warmup_steps:
+            return 0
+        return self.group_size // 2
+
+    def eval_due(self, step: int) -> bool:
+        every = self.scheduler.eval_every
+        return every > 0 and (step % every == 0 or step == self.scheduler.steps - 1)
+
+    def merge_due(self, step: int) -> bool:
+        """Whether `MergeRequested` (for the steps before) precedes step `step`."""
+        every = self.scheduler.merge_every
+        return every > 0 and self.scheduler.arm != "grpo" and step > 0 and step % every == 0
+
+    def train_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
+        """The train slots of `step`, in publishing order (group, slot)."""
+        k = self.group_size
+        guided = self.guided_slots(step)
+        version = self.required_version(step)
+        episodes = []
+        for g, (entry, seed) in enumerate(draw_tasks(self.envs, step, self.groups_per_step)):
+            spec = env_spec(entry.env_id)
+            group_id = f"s{step:06d}-g{g:03d}"
+            for slot in range(k):
+                episodes.append(EpisodeAssigned(
+                    event_id=scheduled_id(run_id, "train", step, g, slot), run_id=run_id, producer=producer,
+                    step=step, split="train", env_id=entry.env_id, task_family=spec.task_family, seed=seed,
+                    group_id=group_id, slot=slot, group_size=k, guided=slot < guided, policy_version=version,
+                    max_turns=entry.max_turns or spec.max_turns))
+        return episodes
+
+    def eval_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
+        """Evaluation slots after `step`: every task of every environment's eval pool, guided and free."""
+        size = 1 if self.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
+        version = self.required_version(step)
+        episodes = []
+        for entry in self.envs.tasks:
+            spec = env_spec(entry.env_id)
+            pool = task_pool(entry.env_id, "eval", self.envs.eval_tasks_per_env, self.envs.seed)
+            for t, seed in enumerate(pool):
+                group_id = f"eval-s{step:06d}-{entry.env_id}-t{t:03d}"
+                for slot in range(size):
+                    episodes.append(EpisodeAssigned(
+                        event_id=scheduled_id(run_id, "eval", step, entry.env_id, t, slot), run_id=run_id,
+                        producer=producer, step=step, split="eval", env_id=entry.env_id,
+                        task_family=spec.task_family, seed=seed, group_id=group_id, slot=slot, group_size=size,
+                        guided=size > 1 and slot == 0, policy_version=version,
+                        max_turns=entry.max_turns or spec.max_turns))
+        return episodes
