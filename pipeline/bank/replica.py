@@ -30,7 +30,7 @@ from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
 from pipeline.errors import InvalidStateError
-from pipeline.runtime.log import Follow, Follower
+from pipeline.runtime.log import Follow, FollowedView, Follower
 from pipeline.runtime.transport import Record
 from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -178,7 +178,7 @@ class LocalBank:
             self.lock.release_read()
 
 
-class BankReplica(LocalBank):
+class BankReplica(LocalBank, FollowedView):
     """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot of log `log_id`."""
 
     def __init__(self, follow: Follow, log_id: str, run_dir: Path | None = None, exact_threshold: int = 10_000) -> None:
@@ -196,17 +196,6 @@ class BankReplica(LocalBank):
         self.follower: Follower = follow([EXPERIENCE_OPS_TOPIC], self._on_record,
                                          start={(EXPERIENCE_OPS_TOPIC.name, 0): self.state.next_offset},
                                          name="bank-replica")
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.follower.failure
-
-    def start(self) -> BankReplica:
-        self.follower.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.follower.stop(timeout_s)
 
     def _on_record(self, record: Record) -> None:
         try:

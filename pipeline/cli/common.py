@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -126,8 +127,16 @@ def kafka_of(settings: Settings) -> KafkaSettings:
     return resolve_kafka(settings)
 
 
-def admin_of(run_dir: Path | None, make_admin: Any) -> Any:
-    return make_admin(kafka_of(current_settings(run_dir)))
+@contextmanager
+def broker_admin(run_dir: Path | None) -> Iterator[Any]:
+    """A Kafka admin client of the run's broker, closed on exit."""
+    from infra.kafka import make_admin
+
+    admin = make_admin(kafka_of(current_settings(run_dir)))
+    try:
+        yield admin
+    finally:
+        admin.close()
 
 
 class BrokerChoice(str, Enum):

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from pipeline.cli.common import (
     RunDirOption,
-    admin_of,
+    broker_admin,
     console,
     current_settings,
     kafka_of,
@@ -20,13 +20,9 @@ topics_app = typer.Typer(help="Create and inspect the registry's Kafka topics.",
 def topics_create(run_dir: RunDirOption = None) -> None:
     """Create every registry topic with its partition count (idempotent)."""
     from infra.admin import create_topics
-    from infra.kafka import make_admin
 
-    admin = admin_of(run_dir, make_admin)
-    try:
+    with broker_admin(run_dir) as admin:
         result = create_topics(admin)
-    finally:
-        admin.close()
     for name, outcome in result.items():
         console.print(f"{outcome:8} {name}")
 
@@ -35,14 +31,10 @@ def topics_create(run_dir: RunDirOption = None) -> None:
 def topics_list(run_dir: RunDirOption = None) -> None:
     """List the topics on the broker, marking the registry's."""
     from infra.admin import existing_partition_counts
-    from infra.kafka import make_admin
     from schemas.topics import TOPICS_BY_NAME
 
-    admin = admin_of(run_dir, make_admin)
-    try:
+    with broker_admin(run_dir) as admin:
         counts = existing_partition_counts(admin)
-    finally:
-        admin.close()
     for name in sorted(counts):
         marker = "registry" if name in TOPICS_BY_NAME else "other"
         console.print(f"{name:24} {counts[name]:3} partitions  {marker}")
@@ -52,14 +44,10 @@ def topics_list(run_dir: RunDirOption = None) -> None:
 def topics_describe(run_dir: RunDirOption = None) -> None:
     """Every registry topic: partitions (expected and actual), records, retention, event kinds."""
     from infra.admin import describe_topics
-    from infra.kafka import make_admin
     from pipeline.runtime.log import KafkaLog
 
-    admin = admin_of(run_dir, make_admin)
-    try:
+    with broker_admin(run_dir) as admin:
         statuses = describe_topics(admin)
-    finally:
-        admin.close()
     log = KafkaLog(kafka_of(current_settings(run_dir)), client_id="crl-describe")
     records = {status.topic.name: sum(log.end_offsets(status.topic).values()) for status in statuses
                if status.matches}

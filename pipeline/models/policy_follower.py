@@ -20,7 +20,7 @@ import time
 from pipeline.errors import CheckpointError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import PolicyModel
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
-from pipeline.runtime.log import Follow, Follower
+from pipeline.runtime.log import Follow, FollowedView, Follower
 from pipeline.runtime.transport import Record
 from schemas.base import Role
 from schemas.codec import EventDecodeError, decode
@@ -47,7 +47,7 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
     raise InvalidArgumentError(f"unknown backend {backend!r}; valid values: transformers, vllm")
 
 
-class PolicyFollower:
+class PolicyFollower(FollowedView):
     """Tails `crl.policy` and keeps the newest `PolicyPublished` of one role."""
 
     def __init__(self, follow: Follow, role: Role) -> None:
@@ -58,17 +58,6 @@ class PolicyFollower:
         self.refused: set[int] = set()
         """Versions whose checkpoint failed its sha256 check."""
         self.follower: Follower = follow([POLICY], self._on_record, name=f"policy-{role}")
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.follower.failure
-
-    def start(self) -> PolicyFollower:
-        self.follower.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.follower.stop(timeout_s)
 
     def newest(self) -> PolicyPublished | None:
         if self.failure is not None:

@@ -22,7 +22,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -130,23 +130,26 @@ class TrainerStep:
                            max_grad_norm=s.max_grad_norm)
 
 
+@dataclass(eq=False)
 class PolicyTrainer:
     """The policy a trainer updates, its optimiser, and its checkpoint directory.
 
-    `open()` resumes from the newest complete checkpoint (verified) or creates version 0; `step()` runs one update;
+    Made, it resumes from the newest complete checkpoint (verified) or creates version 0; `step()` runs one update;
     `save()` writes the next version's checkpoint and returns the events to publish.
     """
 
-    def __init__(self, role: Role, settings: TrainerSettings, root: Path, run_id: str, producer: Producer,
-                 warm_start: WarmStart | None = None, temperature: float = 1.0) -> None:
-        self.role = role
-        self.settings = settings
-        self.temperature = temperature
-        """The sampling temperature of the role's generation section (recorded in every checkpoint)."""
-        self.root = root
-        self.run_id = run_id
-        self.producer = producer
-        self.warm_start = warm_start
+    role: Role
+    settings: TrainerSettings
+    root: Path
+    run_id: str
+    producer: Producer
+    warm_start: WarmStart | None = None
+    temperature: float = 1.0
+    """The sampling temperature of the role's generation section (recorded in every checkpoint)."""
+    update: TrainerStep = field(init=False)
+    current: PolicyVersion = field(init=False)
+
+    def __post_init__(self) -> None:
         self.update, self.current = self._open()
 
     # -- versions on disk -----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from pipeline.bank.state import Applied, BankState, Rejected
-from pipeline.runtime.log import KafkaLog
+from pipeline.runtime.log import FollowedView, KafkaLog
 from pipeline.runtime.transport import Record
 from pipeline.settings import Settings
 from schemas.codec import EventDecodeError, decode
@@ -90,25 +90,14 @@ class RunProgress:
         return sum(1 for _ in self.bank.active())
 
 
-class LogFollower:
+class LogFollower(FollowedView):
     """Follows every partition of every topic from offset 0 (`pipeline.runtime.log`) and feeds `RunProgress`."""
 
     def __init__(self, settings: Settings, progress: RunProgress) -> None:
         self.progress = progress
         self.lock = threading.Lock()
         self._topics = {topic.name: topic for topic in TOPICS}
-        self._follower = KafkaLog(settings.kafka, client_id="crl-run").follow(TOPICS, self._on_record, name="run")
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self._follower.failure
-
-    def start(self) -> LogFollower:
-        self._follower.start()
-        return self
-
-    def stop(self) -> None:
-        self._follower.stop()
+        self.follower = KafkaLog(settings.kafka, client_id="crl-run").follow(TOPICS, self._on_record, name="run")
 
     def _on_record(self, record: Record) -> None:
         try:

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, Self
 
 from kafka import TopicPartition
 
@@ -55,6 +55,24 @@ class Follower(Protocol):
 
     def wait_for(self, ends: Mapping[tuple[str, int], int], timeout_s: float) -> bool:
         """Wait until every partition in `ends` is handled up to its offset there (read your own writes)."""
+
+
+class FollowedView:
+    """What a follower keeps current (the bank replica, the newest policy of a role, `crl run`'s view): started and
+    stopped with its follower, and failed when it failed. Subclasses set `follower` in their constructor."""
+
+    follower: Follower
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.follower.failure
+
+    def start(self) -> Self:
+        self.follower.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.follower.stop(timeout_s)
 
 
 class Follow(Protocol):
