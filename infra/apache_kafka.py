@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
-import fcntl
 import hashlib
 import http.client
 import json
@@ -38,11 +36,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from infra.broker_process import BrokerError, BrokerProcess, free_loopback_port, port_is_free
+from infra.cache import default_cache_dir, exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -124,22 +122,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "complementary-rl"
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """One process at a time installs into a cache directory (two `crl` commands may start together)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _download(url: str, target: Path, jar: LockedJar, attempts: int = 3) -> None:
     """Download `url` to `target` through a temporary file; the file appears only once its sha256 matches.
 
@@ -183,7 +165,7 @@ def install_kafka_jars(cache_dir: Path | None = None, repository: str = MAVEN_CE
     """
     lib = (cache_dir or default_cache_dir()) / f"kafka-{KAFKA_VERSION}" / "lib"
     jars = read_lock()
-    with _exclusive(lib.parent / ".install.lock"):
+    with exclusive_lock(lib.parent / ".install.lock"):
         lib.mkdir(parents=True, exist_ok=True)
         missing = [jar for jar in jars if not _matches(lib / jar.filename, jar)]
         if missing:

@@ -26,9 +26,12 @@ ENTRY_POINT_GROUP = "crl.workers"
 
 
 def load_worker_registry() -> dict[str, WorkerClass]:
-    """Every worker kind published under the `crl.workers` entry-point group."""
+    """Every worker kind published under the `crl.workers` entry-point group: this project's own registry (`workers`)
+    first, then the others by entry-point value, so the order (which breaks ties in `crl run`'s start order) does not
+    depend on how the installed distributions happen to be listed."""
     registry: dict[str, WorkerClass] = {}
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
+    entries = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.module != "workers", e.value, e.name))
+    for entry in entries:
         for name, worker in entry.load().items():
             if name in registry and registry[name] is not worker:
                 raise ConfigError(f"worker kind {name!r} is registered twice ({entry.value} and another registry)")

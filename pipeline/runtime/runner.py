@@ -278,7 +278,7 @@ class WorkerRunner:
                 self.commit()
             self._maybe_report()
             if self.worker.done:
-                self.request_stop("done")
+                self.request_stop("finished")  # its work is done (the scheduler after RunFinished)
             elif self.until_idle and not self.worker.busy and self._inputs_exhausted():
                 self.request_stop("inputs exhausted")
         self.commit()

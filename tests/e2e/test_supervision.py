@@ -130,7 +130,7 @@ def test_crl_run_starts_a_worker_kind_another_package_registers(tmp_path):
     (plugin / "step_counter.py").write_text(STEP_COUNTER)
     run_dir = tmp_path / "run"
     pythonpath = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
-    process = _start(run_dir, steps=1, PYTHONPATH=pythonpath)
+    process = _start(run_dir, steps=1, PYTHONPATH=pythonpath, CRL_ACTOR_TRAINER__WARMUP_STEPS="0")  # step 0 trains
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     table = json.loads((run_dir / "workers.json").read_text())

@@ -51,4 +51,4 @@ def test_the_scheduler_issues_steps_as_versions_come_and_closes_the_run(tmp_path
     third = run_worker(worker, [_actor(0), _actor(1), *_played(step0), *_played(step1)], context=context)
     finished = [e for e in third.outputs if isinstance(e, RunFinished)]
     assert [(e.status, e.steps_completed) for e in finished] == [("completed", 2)]
-    assert worker.done and third.runner.stop_reason == "done"
+    assert worker.done and third.runner.stop_reason == "finished"
