@@ -7,8 +7,8 @@
     crl replay train runs/demo                   # re-run every training step, compare weight hashes
 
 One module per command group (`topics`, `stack`, `worker`, `run`, `doctor`, `audit`, `replay`, `bank`, `report`,
-`config`, `envs`); each command parses its arguments, calls one function of the layers below, prints, and turns
-errors into exit codes (`pipeline.cli.common.fail`): 1 for a failed check or query, 2 for bad settings or usage.
+`config`, `envs`, `models`); each command parses its arguments, calls one function of the layers below, prints, and
+turns errors into exit codes (`pipeline.cli.common.fail`): 1 for a failed check or query, 2 for bad settings or usage.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from pipeline.cli import audit, bank, doctor, envs, replay, report, run, stack, topics, worker
+from pipeline.cli import audit, bank, doctor, envs, models, replay, report, run, stack, topics, worker
 from pipeline.cli import config as config_commands
 from pipeline.cli.common import LogLevel, State, configure_logging, errors, with_exit_codes
 from pipeline.errors import ConfigError
@@ -38,6 +38,7 @@ app.add_typer(stack.stack_app, name="stack")
 app.add_typer(audit.audit_app, name="audit")
 app.add_typer(config_commands.config_app, name="config")
 app.add_typer(envs.envs_app, name="envs")
+app.add_typer(models.models_app, name="models")
 app.command("worker")(worker.worker)
 app.command("run")(run.run)
 app.command("doctor")(doctor.doctor)

@@ -1,4 +1,5 @@
-"""Which policy model a role starts from: a local Hugging Face directory, or the tiny CPU preset."""
+"""Which policy model a role starts from: a local Hugging Face directory, a pretrained preset converted once from a pip
+package (`pipeline.models.presets`), or the tiny CPU preset."""
 
 from __future__ import annotations
 
@@ -38,9 +39,25 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str | None = Field(
-        default=None, description="Local directory of a Hugging Face model to start from; None builds the tiny preset.")
-    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (path None).")
+        default=None, description="Local directory of a Hugging Face model to start from (config, safetensors, "
+        "tokenizer); with neither path nor preset, the tiny preset is built.")
+    preset: str | None = Field(
+        default=None, description="A pretrained model shipped as a pip package, converted once into a local "
+        "directory and verified on every use (`crl models list`): smollm2-135m-instruct.")
+    tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (no path, no "
+                                    "preset).")
     device: str = Field(default="cpu", description="torch device the trainer runs the model on.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSettings:
+        if self.path is not None and self.preset is not None:
+            raise ValueError(f"give model.path ({self.path}) or model.preset ({self.preset}), not both")
+        if self.preset is not None:
+            from pipeline.models.presets import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"unknown model.preset {self.preset!r}; valid values: {sorted(PRESETS)}")
+        return self
 
 
 class GenerationSettings(BaseModel):

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.errors import ConfigError
 from pipeline.models.checkpoints import (
     CheckpointInfo,
     LoadedCheckpoint,
@@ -38,6 +37,7 @@ from pipeline.models.checkpoints import (
     save_checkpoint,
     weight_hash,
 )
+from pipeline.models.presets import prepared_preset
 from pipeline.models.settings import ModelSettings
 from pipeline.models.tiny import build_tiny
 from pipeline.models.transformers_backend import TransformersPolicy
@@ -71,10 +71,10 @@ def event_id_for(run_id: str, role: Role, version: int, what: str) -> uuid.UUID:
 
 
 def initial_policy(model: ModelSettings) -> TransformersPolicy:
-    """Version 0: the local model at `model.path`, or the tiny preset built from its seed."""
+    """Version 0: the local model at `model.path`, the converted `model.preset`, or the tiny preset from its seed."""
+    if model.preset is not None:
+        return TransformersPolicy.from_pretrained(prepared_preset(model.preset), device=model.device)
     if model.path is not None:
-        if not Path(model.path).is_dir():
-            raise ConfigError(f"model path {model.path} is not a local directory (nothing is downloaded at run time)")
         return TransformersPolicy.from_pretrained(model.path, device=model.device)
     return build_tiny(model.tiny, device=model.device)
 
