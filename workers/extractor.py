@@ -42,6 +42,7 @@ from pipeline.bank.retrieval import query_text
 from pipeline.extractor.ops import OpAuthor, Shown, distill_ops, eviction_ops, generation_record, merge_ops
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
+    EXTRACTOR_SYSTEM,
     ParseError,
     TrajectoryDigest,
     distill_generation_id,
@@ -176,7 +177,8 @@ class Extractor(Worker):
 
     def _generate(self, prompts: list[str]) -> list[Generation]:
         assert self.policy is not None
-        generations = self.policy.generate(prompts, self.sampling, seed=(self.seed_base + self.calls) % 2**31)
+        generations = self.policy.generate([self.policy.prompt_ids(p, EXTRACTOR_SYSTEM) for p in prompts],
+                                           self.sampling, seed=(self.seed_base + self.calls) % 2**31)
         self.calls += 1
         return generations
 

@@ -7,8 +7,9 @@
     while player.active:
         finished = player.play_turn()                        # one batched generation over every episode in flight
 
-The prompt holds the goal, the served experience (guided episodes), the last actions and the observation; the
-recorded `Turn.observation` is the environment's text alone, so the extractor never sees the experience it is
+The prompt holds the goal, the served experience (guided episodes), the last actions and the observation (a chat
+model gets it as the user message of its chat template, after `ACTOR_SYSTEM`); the recorded `Turn.observation` is
+the environment's text alone, so the extractor never sees the experience it is
 asked to judge. Timings per episode: its share of each batched generation and retrieval, and its own env time.
 """
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from pipeline.bank.retrieval import Retriever
 
 ASK = "ask"
+ACTOR_SYSTEM = ("You play a text game. Read the goal and the observation, then reply with exactly one of the listed "
+                "actions on one line.")
+"""The system message a chat model is prompted with (`PolicyModel.prompt_ids`); models without a chat template, the
+tiny preset, get the user text alone."""
 
 
 @dataclass
@@ -178,7 +183,8 @@ class EpisodePlayer:
         """One batched generation over every episode in flight; returns the episodes that finished."""
         if self.policy is None:
             raise InvalidStateError("no policy loaded")
-        prompts = [actor_prompt(e, self.settings.history_turns, self.asks_left(e)) for e in self.active]
+        prompts = [self.policy.prompt_ids(actor_prompt(e, self.settings.history_turns, self.asks_left(e)), ACTOR_SYSTEM)
+                   for e in self.active]
         started = time.perf_counter()
         generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31)
         self.calls += 1

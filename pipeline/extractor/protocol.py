@@ -41,6 +41,10 @@ from schemas.trajectories import TrajectoryCompleted
 T = TypeVar("T")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_STOP = "</answer>"
+EXTRACTOR_SYSTEM = ("You keep a bank of short, reusable lessons about a text game. Answer with an optional short "
+                    "reasoning, then exactly one <answer>[...]</answer> holding a JSON list of ops.")
+"""The system message a chat model is prompted with (`PolicyModel.prompt_ids`); the tiny preset gets the prompt
+alone."""
 DISTILL_INSTRUCTION = "Lessons as ops, at most {max_ops}, in <answer>[...]</answer>:"
 MERGE_INSTRUCTION = "Consolidate as ops (keep, merge, rewrite, discard) in <answer>[...]</answer>:"
 

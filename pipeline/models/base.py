@@ -16,6 +16,12 @@ What a recorded log-prob means (the on-policy ratio depends on it):
 - Sampling is reproducible and independent of batch composition: row `i` of a call with seed `s` draws from its own
   generator seeded by `row_seed(s, i)`, so the same prompt at the same row index gives the same response whatever
   else is in the batch.
+
+Chat models are prompted as chat models: `prompt_ids(user, system)` is, for a tokenizer with a chat template, the ids
+of that template over a system and a user message with the generation prompt added (what `generate` is then given,
+so the recorded `prompt_token_ids` are exactly what the model saw); for one without (the tiny preset) it is the ids
+of the user text itself, as before. Generation stops at the model's end-of-turn / EOS tokens (tokenizer and config), and
+`response_ids(text)` is a supervised target as the model would end it: the text, then its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -94,6 +100,28 @@ class PolicyModel(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens skipped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def chat(self) -> bool:
+        """Whether the tokenizer carries a chat template (a pretrained instruct model; the tiny preset has none)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def prompt_ids(self, user: str, system: str | None = None) -> list[int]:
+        """What `generate` is given for one user message: the chat template's ids (system message first, the
+        generation prompt added) for a chat model, else the ids of `user` as it is."""
+        if not self.chat:
+            return self.encode(user)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(token) for token in ids]
+
+    def response_ids(self, text: str) -> list[int]:
+        """A supervised target response: the ids of `text`, then, for a chat model, its end-of-turn token."""
+        ids = self.encode(text)
+        if self.chat and self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return ids
 
     @abstractmethod
     def generate(

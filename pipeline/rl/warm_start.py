@@ -39,6 +39,7 @@ from pipeline.envs.registry import env_spec, make_env, task_pool
 from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.errors import ConfigError
 from pipeline.extractor.protocol import (
+    EXTRACTOR_SYSTEM,
     INVALID,
     TrajectoryDigest,
     distill_prompt,
@@ -161,13 +162,14 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
 
 
 def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *, steps: int, batch_size: int,
-              lr: float, seed: int) -> list[float]:
+              lr: float, seed: int, system: str) -> list[float]:
     """`steps` AdamW steps of token-mean cross-entropy on the responses of (prompt, response) pairs, batches drawn
-    with a seeded RNG; returns the loss of every step."""
+    with a seeded RNG; returns the loss of every step. Prompts are formed as the workers form them
+    (`policy.prompt_ids(prompt, system)`: the chat template for a chat model), responses end as the model ends a turn."""
     if not samples:
         raise ConfigError("the warm start has no samples (no episode of the task mix had any)")
     rng = random.Random(seed)
-    encoded = [(policy.encode(prompt), policy.encode(response)) for prompt, response in samples]
+    encoded = [(policy.prompt_ids(prompt, system), policy.response_ids(response)) for prompt, response in samples]
     optimizer = make_optimizer(policy.model, lr, 0.0, (0.9, 0.999), 1e-8)
     policy.model.train()
     losses = []
@@ -284,6 +286,8 @@ def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -
 def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
                      envs: EnvSettings, history_turns: int) -> tuple[TransformersPolicy, dict]:
     """Behaviour cloning from the scripted solvers of the task mix; returns the policy and what it did."""
+    from pipeline.actor.episodes import ACTOR_SYSTEM
+
     def train() -> dict:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
         samples = actor_samples(episodes, history_turns, settings.seed)
@@ -291,7 +295,7 @@ def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, ta
             raise ConfigError(f"behaviour cloning needs a scripted solver, and none of {[t.env_id for t in tasks]}"
                               " has one (MiniHack Room and Sokoban do); set actor_trainer.warm_start.steps: 0")
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
-                           seed=settings.seed)
+                           seed=settings.seed, system=ACTOR_SYSTEM)
         return _stats(losses, len(samples), episodes)
 
     parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),
@@ -306,7 +310,7 @@ def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
         samples = extractor_samples(episodes, extractor, settings.seed)
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
-                           seed=settings.seed)
+                           seed=settings.seed, system=EXTRACTOR_SYSTEM)
         return _stats(losses, len(samples), episodes)
 
     parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),

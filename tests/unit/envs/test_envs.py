@@ -117,6 +117,9 @@ def test_invalid_action_rules():
 @pytest.mark.parametrize("response,expected", [
     ("east", "east"), ("Action: NorthEast\nmore", "northeast"), ("  \n go south now", "south"),
     ("northeastern", None), ("", None), ("pick up", None), ("apply the key", "apply"), ("north east", "north"),
+    # What a chat model writes: the first action word of its first non-empty line counts; anything else is invalid.
+    ("south", "south"), ("I move south.", "south"), ("Action: south", "south"), ("**South**", "south"),
+    ("Sure! Let me think.\nsouth", None), ("I cannot decide.", None),
 ])
 def test_parse_action(response, expected):
     actions = ("north", "east", "south", "west", "northeast", "southeast", "southwest", "northwest", "pickup", "apply")

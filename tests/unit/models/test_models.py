@@ -445,3 +445,26 @@ def test_vllm_policy_samples_reproducibly_with_the_transformers_logprob_semantic
     with torch.no_grad():
         for generation, logps in zip(generations, _batch_logprobs(policy, generations, 1.0), strict=True):
             torch.testing.assert_close(logps, torch.tensor(generation.logprobs), atol=1e-2, rtol=0)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_model_without_a_chat_template_gets_its_plain_prompt(policy: TransformersPolicy) -> None:
+    assert not policy.chat
+    assert policy.prompt_ids("Action:", "You play a game.") == policy.encode("Action:")
+    assert policy.response_ids("east\n") == policy.encode("east\n")
+
+
+def test_a_chat_model_is_prompted_through_its_template_and_trained_to_end_its_turn(
+        policy: TransformersPolicy, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    assert policy.chat
+    # Hand-worked: the template over (system, user) with the generation prompt, encoded as plain text.
+    assert policy.prompt_ids("Go east.", "Be brief.") == policy.encode("<system>Be brief.\n<user>Go east.\n<assistant>")
+    assert policy.prompt_ids("Go east.") == policy.encode("<user>Go east.\n<assistant>")
+    assert policy.response_ids("east") == [*policy.encode("east"), policy.tokenizer.eos_token_id]
+    generation = policy.generate([policy.prompt_ids("Go east.", "Be brief.")], SamplingParams(max_new_tokens=3),
+                                 seed=0)[0]
+    assert list(generation.prompt_token_ids) == policy.prompt_ids("Go east.", "Be brief.")
