@@ -171,7 +171,7 @@ class Extractor(Worker):
             return
         policy = self.follower.load(newer, self.generation.backend, self.generation.device,
                                     micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
-                                    keeping=self.version)
+                                    keeping=self.version, current=self.policy)
         if policy is not None:
             self.policy, self.version = policy, newer.version
 

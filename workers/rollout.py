@@ -124,7 +124,7 @@ class Rollout(Worker):
     def _load(self, event: PolicyPublished) -> None:
         policy = self.follower.load(event, self.generation.backend, self.generation.device,
                                     micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
-                                    keeping=self.player.version)
+                                    keeping=self.player.version, current=self.player.policy)
         if policy is not None:
             self.player.policy, self.player.version = policy, event.version
 

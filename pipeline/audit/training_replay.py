@@ -88,7 +88,7 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
     recorded_trainer.pop("temperature", None)
     settings: TrainerSettings = settings_type.model_validate(recorded_trainer)
     update = TrainerStep.resumed(initial, settings, temperature)  # what the trainer built from the same checkpoint
-    policy = initial.policy
+    policy = update.policy  # with its LoRA adapter when the run trained one
     for expected_version, recorded in enumerate(steps, start=1):
         where = f"step {recorded.step} (version {recorded.policy_version})"
         if recorded.policy_version != expected_version:

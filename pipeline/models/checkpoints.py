@@ -13,6 +13,12 @@ A checkpoint directory holds:
     optimizer.safetensors  optimiser state as "state.<param index>.<key>" tensors (only with an optimizer)
     manifest.json          {"format", "files": {name: sha256}, "weight_hash", "metadata", "optimizer_param_groups"}
 
+A LoRA version (`pipeline.models.lora`) holds `adapter.safetensors` and `adapter_config.json` instead of
+`model.safetensors`, and its manifest names its base, a full checkpoint, by relative path and manifest sha256
+(`"base": {"path": "../v000000", "manifest_sha256": ...}`). Loading it loads and verifies the base, or, given a
+policy already holding that base (`reuse`), sets the adapter in place without reloading the base; either way the
+assembled model's weight hash must equal the manifest's.
+
 The manifest's bytes are deterministic (sorted keys, fixed separators), so the sha256 of `manifest.json` names the
 whole checkpoint: it is what `PolicyPublished` carries and what `load_checkpoint(expected_sha256=...)` checks.
 Saving is atomic: everything is written and fsynced in a sibling temporary directory, then renamed into place.
@@ -34,6 +40,7 @@ from urllib.request import url2pathname
 import torch
 
 from pipeline.errors import CheckpointError, InvalidArgumentError
+from pipeline.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_tensors, is_lora, load_adapter, wrap
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
 from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
 
@@ -180,19 +187,28 @@ def save_checkpoint(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     metadata: dict | None = None,
+    base: CheckpointInfo | None = None,
 ) -> CheckpointInfo:
-    """Write `policy` (and `optimizer`'s state) to `directory` atomically. `metadata` must be JSON-able.
+    """Write `policy` (and `optimizer`'s state) to `directory` atomically. `metadata` must be JSON-able. A LoRA
+    policy is written as its adapter on `base`, the full checkpoint it was wrapped around.
 
     An existing `directory` is never overwritten: if its manifest is byte-identical to the one this call would
     write, its info is returned; otherwise `CheckpointError`.
     """
     from safetensors.torch import save_file
 
+    lora = is_lora(policy.model)
+    if lora and base is None:
+        raise InvalidArgumentError("a LoRA policy is saved as an adapter on its base checkpoint: pass base=")
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
     try:
-        save_file(_untied_state_dict(policy.model), str(staging / MODEL_FILE), metadata={"format": "pt"})
+        if lora:
+            save_file(adapter_tensors(policy.model), str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+            (staging / ADAPTER_CONFIG_FILE).write_bytes(_manifest_bytes(policy.adapter_config or {}))
+        else:
+            save_file(_untied_state_dict(policy.model), str(staging / MODEL_FILE), metadata={"format": "pt"})
         policy.model.config.save_pretrained(staging)
         policy.tokenizer.save_pretrained(staging)
         param_groups = None
@@ -206,6 +222,8 @@ def save_checkpoint(
             "weight_hash": hashed,
             "metadata": metadata or {},
             "optimizer_param_groups": param_groups,
+            **({"base": {"path": os.path.relpath(base.path, directory), "manifest_sha256": base.manifest_sha256}}
+               if lora and base is not None else {}),
         }
         try:
             manifest_bytes = _manifest_bytes(manifest)
@@ -250,10 +268,12 @@ def checkpoint_path(uri: str) -> Path:
     raise CheckpointError(f"checkpoint uri {uri!r}: only local files (file:// or a path) are supported")
 
 
-def load_checkpoint(directory: Path, expected_sha256: str | None = None, device: str = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(directory: Path, expected_sha256: str | None = None, device: str = "cpu", *,
+                    reuse: TransformersPolicy | None = None) -> LoadedCheckpoint:
     """Load a checkpoint written by `save_checkpoint`, verifying the manifest's sha256 (when `expected_sha256` is
     given), every listed file's sha256, and the weight hash of the loaded model. Any mismatch or missing file raises
-    `CheckpointError` naming the file and both hashes."""
+    `CheckpointError` naming the file and both hashes. For a LoRA version, `reuse` (a LoRA policy on the same base
+    with the same adapter configuration) gets the new adapter in place instead of a fresh load of the base."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -270,6 +290,8 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
             raise CheckpointError(f"{path} is listed in the manifest (sha256 {recorded}) but missing")
         if (found := file_sha256(path)) != recorded:
             raise CheckpointError(f"{path}: sha256 {found}, manifest says {recorded}")
+    if "base" in manifest:
+        return _load_adapter_checkpoint(directory, manifest, device, reuse)
     for required in (MODEL_FILE, CONFIG_FILE):
         if required not in manifest["files"]:
             raise CheckpointError(f"{directory / MANIFEST} does not list {required}")
@@ -295,12 +317,44 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
     model.eval()
     tokenizer = load_tokenizer(directory)
 
+    policy = TransformersPolicy(model, tokenizer, device=device)
+    policy.base_checkpoint = actual
+    return _loaded(directory, manifest, policy)
+
+
+def _loaded(directory: Path, manifest: dict, policy: TransformersPolicy) -> LoadedCheckpoint:
+    from safetensors.torch import load_file
+
     optimizer_state = None
     if OPTIMIZER_FILE in manifest["files"]:
         optimizer_state = load_file(str(directory / OPTIMIZER_FILE))
-    return LoadedCheckpoint(
-        policy=TransformersPolicy(model, tokenizer, device=device),
-        manifest=manifest,
-        optimizer_tensors=optimizer_state,
-        optimizer_param_groups=manifest["optimizer_param_groups"],
-    )
+    return LoadedCheckpoint(policy=policy, manifest=manifest, optimizer_tensors=optimizer_state,
+                            optimizer_param_groups=manifest["optimizer_param_groups"])
+
+
+def _load_adapter_checkpoint(directory: Path, manifest: dict, device: str,
+                             reuse: TransformersPolicy | None) -> LoadedCheckpoint:
+    """A LoRA version: its adapter on its base (loaded and verified, or the base `reuse` already holds)."""
+    from safetensors.torch import load_file
+
+    for required in (ADAPTER_FILE, ADAPTER_CONFIG_FILE):
+        if required not in manifest["files"]:
+            raise CheckpointError(f"{directory / MANIFEST} names a base but does not list {required}")
+    base = manifest["base"]
+    config = json.loads((directory / ADAPTER_CONFIG_FILE).read_bytes())
+    tensors = load_file(str(directory / ADAPTER_FILE))
+    if (reuse is not None and is_lora(reuse.model) and reuse.base_checkpoint == base["manifest_sha256"]
+            and reuse.adapter_config == config):
+        policy, previous = reuse, adapter_tensors(reuse.model)
+    else:
+        base_policy = load_checkpoint((directory / base["path"]).resolve(), base["manifest_sha256"], device).policy
+        policy = TransformersPolicy(wrap(base_policy.model, config), base_policy.tokenizer, device=device)
+        policy.base_checkpoint, policy.adapter_config, previous = base["manifest_sha256"], config, None
+    load_adapter(policy.model, tensors)
+    if (loaded_hash := weight_hash(policy.model)) != manifest["weight_hash"]:
+        if previous is not None:
+            load_adapter(policy.model, previous)  # the policy in use keeps the version it had
+        raise CheckpointError(f"{directory / ADAPTER_FILE}: weight hash {loaded_hash} after loading on base "
+                              f"{base['manifest_sha256'][:12]}, manifest says {manifest['weight_hash']}")
+    policy.model.eval()
+    return _loaded(directory, manifest, policy)

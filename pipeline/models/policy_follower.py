@@ -17,9 +17,11 @@ import logging
 import threading
 import time
 
-from pipeline.errors import CheckpointError, InvalidArgumentError, InvalidStateError
+from pipeline.errors import CheckpointError, ConfigError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import PolicyModel
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
+from pipeline.models.lora import ADAPTER_FILE
+from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.runtime.log import Follow, FollowedView, Follower
 from pipeline.runtime.transport import Record
 from schemas.base import Role
@@ -31,11 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
-                   micro_batch_size: int = 8, seed: int = 0) -> PolicyModel:
-    """The policy of `event`, after its checkpoint's sha256 checks out."""
+                   micro_batch_size: int = 8, seed: int = 0, current: PolicyModel | None = None) -> PolicyModel:
+    """The policy of `event`, after its checkpoint's sha256 checks out. A LoRA version on the base `current` already
+    holds is applied to it in place (the base is not loaded again)."""
     path = checkpoint_path(event.checkpoint_uri)
     if backend == "transformers":
-        policy = load_checkpoint(path, expected_sha256=event.sha256, device=device).policy
+        reuse = current if isinstance(current, TransformersPolicy) else None
+        policy = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse).policy
         policy.micro_batch_size = micro_batch_size
         return policy
     if backend == "vllm":
@@ -43,6 +47,9 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
 
         if (actual := manifest_sha256(path)) != event.sha256:
             raise CheckpointError(f"{path}: manifest sha256 {actual}, the event says {event.sha256}")
+        if (path / ADAPTER_FILE).exists():
+            raise ConfigError(f"{path} is a LoRA adapter version; the vllm backend serves full checkpoints only "
+                              "(set the role's generation.backend to transformers, or model.lora.rank to 0)")
         return VllmPolicy(str(path), seed=seed)
     raise InvalidArgumentError(f"unknown backend {backend!r}; valid values: transformers, vllm")
 
@@ -73,12 +80,13 @@ class PolicyFollower(FollowedView):
         return newest
 
     def load(self, event: PolicyPublished, backend: str, device: str = "cpu", *, micro_batch_size: int = 8,
-             seed: int = 0, keeping: int = -1) -> PolicyModel | None:
+             seed: int = 0, keeping: int = -1, current: PolicyModel | None = None) -> PolicyModel | None:
         """`load_published`, timed and logged; a version whose checkpoint fails its sha256 check is remembered in
         `refused` (never offered again by `newer_than`) and None is returned: the caller keeps version `keeping`."""
         started = time.perf_counter()
         try:
-            policy = load_published(event, backend, device, micro_batch_size=micro_batch_size, seed=seed)
+            policy = load_published(event, backend, device, micro_batch_size=micro_batch_size, seed=seed,
+                                    current=current)
         except CheckpointError as exc:
             self.refused.add(event.version)
             log.error("%s version %d refused (%s); keeping version %d", self.role, event.version, exc, keeping)

@@ -33,6 +33,21 @@ class TinyModelSettings(BaseModel):
         return self
 
 
+class LoraSettings(BaseModel):
+    """A LoRA adapter the role's trainer updates instead of every weight (`pipeline.models.lora`, peft). Rank 0: full
+    fine-tuning."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(default=0, ge=0, description="Adapter rank r; 0 turns LoRA off (full fine-tuning).")
+    alpha: float = Field(default=16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
+        description="Names of the linear layers that get an adapter (Llama / Qwen attention projections).")
+    seed: int = Field(default=0, ge=0, description="Seeds the adapter's initialisation (A; B starts at zero).")
+
+
 class ModelSettings(BaseModel):
     """Which policy model a role starts from, and where its trainer runs it (training always uses transformers)."""
 
@@ -47,6 +62,10 @@ class ModelSettings(BaseModel):
     tiny: TinyModelSettings = Field(default_factory=TinyModelSettings, description="The tiny preset (no path, no "
                                     "preset).")
     device: str = Field(default="cpu", description="torch device the trainer runs the model on.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA instead of full fine-tuning (rank > 0).")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass: less memory, ~30% more time, the "
+        "same weights.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSettings:

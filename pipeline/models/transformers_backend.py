@@ -80,6 +80,10 @@ class TransformersPolicy(PolicyModel):
         config_eos = [] if config_eos is None else [config_eos] if isinstance(config_eos, int) else list(config_eos)
         tokenizer_eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer_eos + config_eos)
+        self.base_checkpoint: str | None = None
+        """Manifest sha256 of the full checkpoint the weights (the base, for a LoRA policy) were loaded from."""
+        self.adapter_config: dict | None = None
+        """The LoRA adapter's configuration (`pipeline.models.lora`), None for a plain model."""
 
     @classmethod
     def from_pretrained(

@@ -37,6 +37,7 @@ from pipeline.models.checkpoints import (
     save_checkpoint,
     weight_hash,
 )
+from pipeline.models.lora import is_lora, with_lora
 from pipeline.models.presets import prepared_preset
 from pipeline.models.settings import ModelSettings
 from pipeline.models.tiny import build_tiny
@@ -99,15 +100,21 @@ class TrainerStep:
     (`PolicyTrainer.step`) and `crl replay train` (`pipeline.audit.training_replay`) both construct it here and call
     `run`, so a replay cannot drift from training.
 
-    Deterministic CPU kernels at the recorded thread count; AdamW from the trainer settings, resumed from the
-    optimiser state a checkpoint holds when there is one; log-probs recomputed at the sampling `temperature` of the
-    role's generation section.
+    Deterministic CPU kernels at the recorded thread count; a full model is wrapped in a seeded LoRA adapter first
+    when the settings ask for one (`model.lora.rank > 0`); gradient checkpointing when set; AdamW from the trainer
+    settings over what trains, resumed from the optimiser state a checkpoint holds when there is one; log-probs
+    recomputed at the sampling `temperature` of the role's generation section.
     """
 
     def __init__(self, policy: TransformersPolicy, settings: TrainerSettings, temperature: float,
                  optimizer_tensors: dict[str, torch.Tensor] | None = None,
                  optimizer_param_groups: list | None = None) -> None:
         deterministic_torch(settings.threads)
+        lora = settings.model.lora
+        if lora.rank > 0 and not is_lora(policy.model):
+            policy = with_lora(policy, lora)
+        if settings.model.gradient_checkpointing:
+            policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy = policy
         self.settings = settings
         self.temperature = temperature
@@ -181,13 +188,19 @@ class PolicyTrainer:
         warm_start = None
         if self.warm_start is not None:
             policy, warm_start = self.warm_start(policy)
-        update = TrainerStep(policy, self.settings, self.temperature)
-        version = self._write(update, version=0, step=0, train_step=None, warm_start=warm_start)
+        if self.settings.model.lora.rank > 0:
+            # Version 0 is the base in full; the adapter the trainer wraps around it starts as the identity.
+            version = self._write(policy, None, version=0, step=0, train_step=None, warm_start=warm_start)
+            update = TrainerStep(policy, self.settings, self.temperature)
+        else:
+            update = TrainerStep(policy, self.settings, self.temperature)
+            version = self._write(update.policy, update.optimizer, version=0, step=0, train_step=None,
+                                  warm_start=warm_start)
         log.info("%s trainer created version 0 at %s", self.role, version.info.path)
         return update, version
 
-    def _write(self, update: TrainerStep, *, version: int, step: int, train_step: TrainStepCompleted | None,
-               warm_start: dict | None = None) -> PolicyVersion:
+    def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer | None, *, version: int, step: int,
+               train_step: TrainStepCompleted | None, warm_start: dict | None = None) -> PolicyVersion:
         metadata = {
             **({"warm_start": warm_start} if warm_start is not None else {}),
             "role": self.role, "version": version, "step": step, "run_id": self.run_id,
@@ -199,7 +212,11 @@ class PolicyTrainer:
         if path.exists() and not (path / "manifest.json").exists():
             shutil.rmtree(path)  # never completed: save_checkpoint renames a finished directory into place
         self.root.mkdir(parents=True, exist_ok=True)
-        info = save_checkpoint(path, update.policy, optimizer=update.optimizer, metadata=metadata)
+        base = None
+        if is_lora(policy.model):
+            base_path = version_dir(self.root, 0)
+            base = CheckpointInfo(base_path, manifest_sha256(base_path), "")
+        info = save_checkpoint(path, policy, optimizer=optimizer, metadata=metadata, base=base)
         return self._version_from(path, json.loads((path / "manifest.json").read_text()), info)
 
     def _version_from(self, path: Path, manifest: dict, info: CheckpointInfo | None = None) -> PolicyVersion:
@@ -228,8 +245,8 @@ class PolicyTrainer:
 
     def save(self, train_step: TrainStepCompleted) -> PolicyVersion:
         """Write the checkpoint of `train_step.policy_version`; publish what it returns with `events_of`."""
-        self.current = self._write(self.update, version=train_step.policy_version, step=train_step.step,
-                                   train_step=train_step)
+        self.current = self._write(self.update.policy, self.update.optimizer, version=train_step.policy_version,
+                                   step=train_step.step, train_step=train_step)
         return self.current
 
     def train_step_event(self, **fields: object) -> TrainStepCompleted:

@@ -56,9 +56,10 @@ def deterministic_torch(threads: int) -> None:
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
                    eps: float) -> torch.optim.AdamW:
-    """AdamW at a constant learning rate (PAPER.md); `foreach=False` keeps the update order fixed."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                             foreach=False)
+    """AdamW at a constant learning rate (PAPER.md) over the parameters that train (all of them, or a LoRA adapter's);
+    `foreach=False` keeps the update order fixed."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False)
 
 
 def _padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int) -> torch.Tensor:

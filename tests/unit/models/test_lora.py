@@ -1,0 +1,130 @@
+"""LoRA on the tiny preset, through the same trainer and replay as full fine-tuning: only the adapter trains,
+versions after 0 hold the adapter alone and name their base by manifest sha256, a worker applies a newer adapter to
+the base it holds, and `crl replay train` reproduces every step's weight hash bit for bit."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.audit.archive import archive_root, archive_row, write_segments
+from pipeline.audit.training_replay import replay_training
+from pipeline.errors import CheckpointError
+from pipeline.models.checkpoints import load_checkpoint, manifest_sha256, weight_hash
+from pipeline.models.lora import is_lora
+from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
+from pipeline.rl.settings import ActorTrainerSettings
+from pipeline.rl.synthetic import synthetic_trajectories
+from pipeline.rl.training import PolicyTrainer, checkpoints_root, events_of, version_dir
+from schemas.base import Event, Producer
+from schemas.topics import topic_of
+from workers.actor_trainer import ClosedStep, actor_update
+
+TINY = TinyModelSettings(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                         vocab_size=512, corpus_episodes=4)
+SETTINGS = ActorTrainerSettings(model=ModelSettings(tiny=TINY, lora=LoraSettings(rank=4, alpha=8, seed=3)),
+                                lr=1e-2, threads=1, group_size=4, groups_per_step=2, micro_batch_size=5)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Event]]:
+    run_dir = tmp_path_factory.mktemp("run")
+    trainer = PolicyTrainer("actor", SETTINGS, checkpoints_root(run_dir, "actor"), "run",
+                            Producer(worker="actor_trainer", instance="t"))
+    events: list[Event] = [*events_of(trainer.current)]
+    for step in (1, 2):
+        batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=step, groups=2, group_size=4, seed=1),
+                       key=lambda t: (t.group_id, t.slot))
+        recorded = actor_update(trainer, SETTINGS, ClosedStep(step, batch, [], False, 0))
+        assert recorded.weight_hash_before != recorded.weight_hash_after, "the batch should carry a signal"
+        events += [*batch, *events_of(trainer.save(recorded))]
+    rows = [archive_row(event, topic_of(event).name, 0, offset, 0, b"k", log_id="log-1")
+            for offset, event in enumerate(events)]
+    write_segments(archive_root(run_dir), rows)
+    return run_dir, events
+
+
+def _root(run_dir: Path) -> Path:
+    return checkpoints_root(run_dir, "actor")
+
+
+def test_version_0_is_the_base_and_later_versions_hold_the_adapter_alone(lora_run):
+    run_dir, _ = lora_run
+    v0, v1 = version_dir(_root(run_dir), 0), version_dir(_root(run_dir), 1)
+    assert (v0 / "model.safetensors").is_file() and not (v0 / "adapter.safetensors").exists()
+    assert not (v1 / "model.safetensors").exists()
+    manifest = json.loads((v1 / "manifest.json").read_text())
+    assert manifest["base"] == {"path": "../v000000", "manifest_sha256": manifest_sha256(v0)}
+    assert {"adapter.safetensors", "adapter_config.json", "optimizer.safetensors"} <= set(manifest["files"])
+    assert json.loads((v1 / "adapter_config.json").read_text())["r"] == 4
+    # The adapter is a small fraction of the model; only it has optimiser state.
+    assert (v1 / "adapter.safetensors").stat().st_size < (v0 / "model.safetensors").stat().st_size / 5
+
+
+def test_only_the_adapter_trains_and_the_base_weights_stay_those_of_version_0(lora_run):
+    run_dir, _ = lora_run
+    base = load_checkpoint(version_dir(_root(run_dir), 0)).policy.model.state_dict()
+    v2 = load_checkpoint(version_dir(_root(run_dir), 2)).policy
+    assert is_lora(v2.model)
+    state = v2.model.state_dict()
+    for name, tensor in base.items():
+        adapted = re.sub(r"\.(q_proj|k_proj|v_proj|o_proj)\.", r".\1.base_layer.", name)
+        key = next(k for k in (f"base_model.model.{adapted}", f"base_model.model.{name}") if k in state)
+        assert torch.equal(state[key], tensor), name
+    assert any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in state.items())
+
+
+def test_a_newer_adapter_is_applied_to_the_base_a_worker_holds(lora_run):
+    run_dir, _ = lora_run
+    root = _root(run_dir)
+    held = load_checkpoint(version_dir(root, 1)).policy
+    base_tensor = next(t for n, t in held.model.named_parameters() if "base_layer" in n)
+    pointer = base_tensor.data_ptr()
+    newer = load_checkpoint(version_dir(root, 2), manifest_sha256(version_dir(root, 2)), reuse=held)
+    assert newer.policy is held  # applied in place, the base not loaded again
+    assert next(t for n, t in held.model.named_parameters() if "base_layer" in n).data_ptr() == pointer
+    assert weight_hash(held.model) == json.loads((version_dir(root, 2) / "manifest.json").read_text())["weight_hash"]
+
+
+def test_a_tampered_adapter_is_refused_and_the_held_version_kept(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    root = _root(run_dir)
+    copy = tmp_path / "actor"
+    for version in (0, 1, 2):
+        source = version_dir(root, version)
+        target = version_dir(copy, version)
+        target.mkdir(parents=True)
+        for path in source.iterdir():
+            (target / path.name).write_bytes(path.read_bytes())
+    held = load_checkpoint(version_dir(copy, 1)).policy
+    before = weight_hash(held.model)
+    adapter = version_dir(copy, 2) / "adapter.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="adapter.safetensors: sha256"):
+        load_checkpoint(version_dir(copy, 2), reuse=held)
+    assert weight_hash(held.model) == before
+
+
+def test_replay_reproduces_every_lora_step_bit_for_bit(lora_run):
+    run_dir, _ = lora_run
+    report = replay_training(run_dir, "actor")
+    assert report.ok, report.problem
+    assert [(c.step, c.version, c.ok) for c in report.checks] == [(1, 1, True), (2, 2, True)]
+
+
+@pytest.mark.parametrize("lora", [LoraSettings(), LoraSettings(rank=4, alpha=8, seed=3)], ids=["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_weights(lora, tmp_path):
+    hashes = []
+    for checkpointing in (False, True):
+        settings = SETTINGS.model_copy(update={"model": ModelSettings(tiny=TINY, lora=lora,
+                                                                      gradient_checkpointing=checkpointing)})
+        trainer = PolicyTrainer("actor", settings, tmp_path / str(checkpointing), "run",
+                                Producer(worker="actor_trainer", instance="t"))
+        batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=1, groups=2, group_size=4, seed=1),
+                       key=lambda t: (t.group_id, t.slot))
+        hashes.append(actor_update(trainer, settings, ClosedStep(1, batch, [], False, 0)).weight_hash_after)
+    assert hashes[0] == hashes[1]
