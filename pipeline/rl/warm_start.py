@@ -251,9 +251,11 @@ def _source_modules() -> list:
     import pipeline.envs.minihack
     import pipeline.envs.sokoban
     import pipeline.extractor.protocol
+    import pipeline.models.base
 
-    return [sys.modules[__name__], pipeline.extractor.protocol, pipeline.actor.episodes, pipeline.envs.minihack,
-            pipeline.envs.sokoban]
+    # What forms the samples: the prompts, the chat formatting (`PolicyModel.prompt_ids`), the environments.
+    return [sys.modules[__name__], pipeline.extractor.protocol, pipeline.actor.episodes, pipeline.models.base,
+            pipeline.envs.minihack, pipeline.envs.sokoban]
 
 
 def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict,

@@ -13,11 +13,8 @@ from pipeline.audit.training_replay import replay_training
 from pipeline.cli import app
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer, checkpoints_root, events_of
-from schemas.base import Event, Producer
+from schemas.base import Event
 from schemas.topics import topic_of
-from workers.actor_trainer import ClosedStep, actor_update
 
 TINY = TinyModelSettings(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          vocab_size=512, corpus_episodes=4)
@@ -32,18 +29,9 @@ def _archive(run_dir: Path, events: list[Event]) -> None:
 
 
 @pytest.fixture(scope="module")
-def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Event]]:
+def recorded_run(tmp_path_factory: pytest.TempPathFactory, record_actor_run) -> tuple[Path, list[Event]]:
     run_dir = tmp_path_factory.mktemp("run")
-    trainer = PolicyTrainer("actor", SETTINGS, checkpoints_root(run_dir, "actor"), "run",
-                            Producer(worker="actor_trainer", instance="t"))
-    events: list[Event] = [*events_of(trainer.current)]
-    for step in (1, 2):
-        batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=step, groups=2, group_size=4, seed=1),
-                       key=lambda t: (t.group_id, t.slot))
-        recorded = actor_update(trainer, SETTINGS, ClosedStep(step, batch, [], False, 0))
-        assert recorded.weight_hash_before != recorded.weight_hash_after, "the batch should carry a signal"
-        events += [*batch, *events_of(trainer.save(recorded))]
-    return run_dir, events
+    return run_dir, record_actor_run(run_dir, SETTINGS)
 
 
 def test_replay_reproduces_every_recorded_step(recorded_run):

@@ -19,7 +19,7 @@ from pipeline.models.lora import is_lora
 from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer, checkpoints_root, events_of, version_dir
+from pipeline.rl.training import PolicyTrainer, checkpoints_root, version_dir
 from schemas.base import Event, Producer
 from schemas.topics import topic_of
 from workers.actor_trainer import ClosedStep, actor_update
@@ -31,17 +31,9 @@ SETTINGS = ActorTrainerSettings(model=ModelSettings(tiny=TINY, lora=LoraSettings
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Event]]:
+def lora_run(tmp_path_factory: pytest.TempPathFactory, record_actor_run) -> tuple[Path, list[Event]]:
     run_dir = tmp_path_factory.mktemp("run")
-    trainer = PolicyTrainer("actor", SETTINGS, checkpoints_root(run_dir, "actor"), "run",
-                            Producer(worker="actor_trainer", instance="t"))
-    events: list[Event] = [*events_of(trainer.current)]
-    for step in (1, 2):
-        batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=step, groups=2, group_size=4, seed=1),
-                       key=lambda t: (t.group_id, t.slot))
-        recorded = actor_update(trainer, SETTINGS, ClosedStep(step, batch, [], False, 0))
-        assert recorded.weight_hash_before != recorded.weight_hash_after, "the batch should carry a signal"
-        events += [*batch, *events_of(trainer.save(recorded))]
+    events = record_actor_run(run_dir, SETTINGS)
     rows = [archive_row(event, topic_of(event).name, 0, offset, 0, b"k", log_id="log-1")
             for offset, event in enumerate(events)]
     write_segments(archive_root(run_dir), rows)

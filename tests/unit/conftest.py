@@ -1,0 +1,37 @@
+"""Fixtures the unit tests of several packages share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline.rl.settings import ActorTrainerSettings
+from pipeline.rl.synthetic import synthetic_trajectories
+from pipeline.rl.training import PolicyTrainer, checkpoints_root, events_of
+from schemas.base import Event, Producer
+from workers.actor_trainer import ClosedStep, actor_update
+
+RecordActorRun = Callable[[Path, ActorTrainerSettings], list[Event]]
+
+
+@pytest.fixture(scope="session")
+def record_actor_run() -> RecordActorRun:
+    """Records a two-step actor run into `run_dir` without a broker: version 0, then per step a batch sampled from
+    the policy itself (`synthetic_trajectories`), the trainer's update and its checkpoint; returns every event in
+    log order (policies, trajectories, train steps), ready to archive."""
+
+    def record(run_dir: Path, settings: ActorTrainerSettings) -> list[Event]:
+        trainer = PolicyTrainer("actor", settings, checkpoints_root(run_dir, "actor"), "run",
+                                Producer(worker="actor_trainer", instance="t"))
+        events: list[Event] = [*events_of(trainer.current)]
+        for step in (1, 2):
+            batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=step, groups=2, group_size=4,
+                                                  seed=1), key=lambda t: (t.group_id, t.slot))
+            recorded = actor_update(trainer, settings, ClosedStep(step, batch, [], False, 0))
+            assert recorded.weight_hash_before != recorded.weight_hash_after, "the batch should carry a signal"
+            events += [*batch, *events_of(trainer.save(recorded))]
+        return events
+
+    return record
