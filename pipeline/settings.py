@@ -105,6 +105,16 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown env ids in envs.tasks: {unknown}; valid values: {sorted(ENV_SPECS)}")
         return self
 
+    @model_validator(mode="after")
+    def _lora_generates_with_transformers(self) -> Settings:
+        for role, generation, trainer in (("rollout", self.rollout.generation, self.actor_trainer),
+                                          ("extractor", self.extractor.generation, self.extractor_trainer)):
+            if generation.backend == "vllm" and trainer.model.lora.rank > 0:
+                raise ValueError(f"{role}.generation.backend vllm serves full checkpoints only, and the trainer of "
+                                 "that role trains a LoRA adapter (model.lora.rank > 0): use the transformers "
+                                 "backend, or lora.rank 0")
+        return self
+
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or self.run_dir.resolve().name

@@ -350,11 +350,15 @@ def _load_adapter_checkpoint(directory: Path, manifest: dict, device: str,
         base_policy = load_checkpoint((directory / base["path"]).resolve(), base["manifest_sha256"], device).policy
         policy = TransformersPolicy(wrap(base_policy.model, config), base_policy.tokenizer, device=device)
         policy.base_checkpoint, policy.adapter_config, previous = base["manifest_sha256"], config, None
-    load_adapter(policy.model, tensors)
-    if (loaded_hash := weight_hash(policy.model)) != manifest["weight_hash"]:
+    try:
+        load_adapter(policy.model, tensors)
+        loaded_hash = weight_hash(policy.model)
+        if loaded_hash != manifest["weight_hash"]:
+            raise CheckpointError(f"{directory / ADAPTER_FILE}: weight hash {loaded_hash} after loading on base "
+                                  f"{base['manifest_sha256'][:12]}, manifest says {manifest['weight_hash']}")
+    except Exception:
         if previous is not None:
             load_adapter(policy.model, previous)  # the policy in use keeps the version it had
-        raise CheckpointError(f"{directory / ADAPTER_FILE}: weight hash {loaded_hash} after loading on base "
-                              f"{base['manifest_sha256'][:12]}, manifest says {manifest['weight_hash']}")
+        raise
     policy.model.eval()
     return _loaded(directory, manifest, policy)

@@ -35,7 +35,8 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def lora_config(settings: LoraSettings) -> dict[str, Any]:
     """The adapter's configuration as JSON-able data (what an adapter checkpoint records)."""
-    return {"r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+    # No adapter dropout: it would draw from the global RNG and a replay could not reproduce the step.
+    return {"r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": 0.0,
             "target_modules": sorted(settings.target_modules), "bias": "none", "task_type": "CAUSAL_LM",
             "seed": settings.seed}
 
@@ -62,10 +63,11 @@ def with_lora(policy: TransformersPolicy, settings: LoraSettings) -> Transformer
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors (peft's names, without the adapter name), contiguous on the CPU."""
+    """A copy of the adapter's tensors (peft's names, without the adapter name), contiguous on the CPU."""
     from peft import get_peft_model_state_dict
 
-    return {name: tensor.detach().cpu().contiguous() for name, tensor in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model)
+    return {name: tensor.detach().cpu().contiguous().clone() for name, tensor in state.items()}
 
 
 def load_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

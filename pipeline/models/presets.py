@@ -15,7 +15,8 @@ with its tokenizer, config and chat template under `~/.cache/complementary-rl/mo
 use checks those hashes and loads the directory like any `model.path`; a directory that fails the check is rebuilt.
 
 Where this departs from the upstream model: Q4_1 quantisation is lossy, so the weights are the de-quantised Q4_1
-values, not the original bfloat16 release; every run records the directory's manifest hash as the base model.
+values, not the original bfloat16 release. A run records the preset's name (in its trainer settings) and version 0's
+weight hash, which pins exactly these weights.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ class LoraSettings(BaseModel):
 
     rank: int = Field(default=0, ge=0, description="Adapter rank r; 0 turns LoRA off (full fine-tuning).")
     alpha: float = Field(default=16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
     target_modules: tuple[str, ...] = Field(
         default=("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
         description="Names of the linear layers that get an adapter (Llama / Qwen attention projections).")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.models.checkpoints import (
     CheckpointInfo,
     LoadedCheckpoint,
@@ -110,6 +111,9 @@ class TrainerStep:
                  optimizer_tensors: dict[str, torch.Tensor] | None = None,
                  optimizer_param_groups: list | None = None) -> None:
         deterministic_torch(settings.threads)
+        # Gradients a warm start left behind would count in the first step's clipping norm (and hold memory);
+        # a policy loaded from disk has none, so training and replay start alike.
+        policy.model.zero_grad(set_to_none=True)
         lora = settings.model.lora
         if lora.rank > 0 and not is_lora(policy.model):
             policy = with_lora(policy, lora)
@@ -177,6 +181,11 @@ class PolicyTrainer:
             loaded = load_checkpoint(path)
             update = TrainerStep.resumed(loaded, self.settings, self.temperature)
             recorded = loaded.manifest["metadata"].get("trainer")
+            lora = self.settings.model.lora.model_dump(mode="json")
+            if recorded is not None and recorded.get("model", {}).get("lora", lora) != lora:
+                raise ConfigError(f"{path} was trained with model.lora {recorded['model']['lora']}, the settings now "
+                                  f"say {lora}; a run cannot switch between LoRA and full fine-tuning, or change its "
+                                  "adapter, when it resumes (start a new run directory)")
             if recorded is not None and recorded != self.settings.model_dump(mode="json"):
                 log.warning("%s trainer settings differ from those in %s; the checkpoint's weights are used, the new"
                             " settings apply from the next step", self.role, path)

@@ -112,7 +112,9 @@ def policy_step(
         clipped_high += out.clipped_high
     grad_norm = 0.0
     if trained:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+        # Over what the optimiser updates: a LoRA adapter's norm is its own, whatever the frozen base holds.
+        trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.eval()

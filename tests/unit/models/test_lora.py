@@ -13,7 +13,7 @@ import torch
 
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.audit.training_replay import replay_training
-from pipeline.errors import CheckpointError
+from pipeline.errors import CheckpointError, ConfigError
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256, weight_hash
 from pipeline.models.lora import is_lora
 from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
@@ -99,6 +99,20 @@ def test_a_tampered_adapter_is_refused_and_the_held_version_kept(lora_run, tmp_p
     with pytest.raises(CheckpointError, match="adapter.safetensors: sha256"):
         load_checkpoint(version_dir(copy, 2), reuse=held)
     assert weight_hash(held.model) == before
+    # Other adapter values whose file hash the manifest agrees with: set in place, caught by the weight hash, undone.
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.runtime.durable import file_sha256
+
+    tensors = load_file(str(version_dir(root, 2) / "adapter.safetensors"))
+    save_file({name: tensor * 2 for name, tensor in tensors.items()}, str(adapter), metadata={"format": "pt"})
+    manifest_path = version_dir(copy, 2) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["adapter.safetensors"] = file_sha256(adapter)
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="weight hash"):
+        load_checkpoint(version_dir(copy, 2), reuse=held)
+    assert weight_hash(held.model) == before
 
 
 def test_replay_reproduces_every_lora_step_bit_for_bit(lora_run):
@@ -116,7 +130,48 @@ def test_gradient_checkpointing_gives_the_same_weights(lora, tmp_path):
                                                                       gradient_checkpointing=checkpointing)})
         trainer = PolicyTrainer("actor", settings, tmp_path / str(checkpointing), "run",
                                 Producer(worker="actor_trainer", instance="t"))
+        assert trainer.policy.model.is_gradient_checkpointing == checkpointing
         batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=1, groups=2, group_size=4, seed=1),
                        key=lambda t: (t.group_id, t.slot))
         hashes.append(actor_update(trainer, settings, ClosedStep(1, batch, [], False, 0)).weight_hash_after)
     assert hashes[0] == hashes[1]
+
+
+def test_a_vllm_role_cannot_train_a_lora_adapter():
+    from pydantic import ValidationError
+
+    from pipeline.settings import Settings
+
+    with pytest.raises(ValidationError, match="vllm serves full checkpoints only"):
+        Settings(rollout={"generation": {"backend": "vllm"}},
+                 actor_trainer={"model": {"lora": {"rank": 8}}})
+
+
+def test_a_run_cannot_switch_to_lora_when_it_resumes(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    full = SETTINGS.model_copy(update={"model": ModelSettings(tiny=TINY)})
+    with pytest.raises(ConfigError, match="cannot switch between LoRA and full fine-tuning"):
+        PolicyTrainer("actor", full, _root(run_dir), "run", Producer(worker="actor_trainer", instance="t"))
+
+
+def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
+    """Gradients a warm start leaves on the base would count in the first LoRA step's clipping norm: a trainer built
+    on a warm-started policy steps exactly as one built on that policy's saved checkpoint (as replay is)."""
+    from pipeline.models.checkpoints import save_checkpoint
+    from pipeline.rl.training import TrainerStep, actor_batch
+
+    def warm(policy):
+        policy.model.train()
+        out = policy.model(torch.tensor([[1, 2, 3, 4]]))
+        (out.logits.sum() * 1e6).backward()  # a huge stale gradient on every base weight
+        return policy, {"steps": 1}
+
+    trainer = PolicyTrainer("actor", SETTINGS, tmp_path / "actor", "run",
+                            Producer(worker="actor_trainer", instance="t"), warm_start=warm)
+    replayed = TrainerStep.resumed(load_checkpoint(version_dir(tmp_path / "actor", 0)), SETTINGS, 1.0)
+    batch = sorted(synthetic_trajectories(trainer.policy, run_id="run", step=1, groups=2, group_size=4, seed=1),
+                   key=lambda t: (t.group_id, t.slot))
+    samples, _ = actor_batch(batch, SETTINGS)
+    ours, theirs = trainer.update.run(samples, "grpo"), replayed.run(samples, "grpo")
+    assert ours.grad_norm == theirs.grad_norm
+    assert weight_hash(trainer.policy.model) == weight_hash(replayed.policy.model)
