@@ -13,9 +13,14 @@ Prints `name=value` lines:
 - `gen_new_tokens_per_s`, `gen_prompt_tokens_per_s`, `gen_s`, `prompt_tokens_mean`: one batched generation;
 - `step_tokens_per_s_full`, `step_tokens_per_s_lora`, `step_s_full`, `step_s_lora`: prompt + response tokens through
   the model per second of an update;
-- `peak_rss_mb_full`, `peak_rss_mb_lora`: the process's peak resident memory (model load, generation, steps);
+- `peak_rss_mb_full`, `peak_rss_mb_lora`: the process's peak resident memory (model load, generation, our steps;
+  taken before TRL's step runs in the same process);
 - `lora_speedup` (full step time / LoRA step time) and `lora_memory_ratio` (LoRA peak / full peak);
-- `trainable_params_full`, `trainable_params_lora`, `threads`.
+- `trainable_params_full`, `trainable_params_lora`, `threads`;
+- `trl_step_s_full`: the same full fine-tuning step on the same model and samples computed by TRL's `GRPOTrainer`
+  (its forward and its GRPO loss, one pass over the whole batch), then the same clipping and AdamW; and
+  `ours_over_trl_step_time` (our step time / TRL's: below 1 means ours is faster), or `unavailable` with the reason
+  when TRL is not installed (`pip install -e ".[trl]"`) or its internals moved.
 """
 
 from __future__ import annotations
@@ -69,13 +74,74 @@ def measure(mode: str, prompts: int, steps: int, threads: int) -> dict:
         update.run(samples, "grpo")
         durations.append(time.perf_counter() - started)
     step_s = min(durations[1:])
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before TRL's step, ours alone
+    trl = trl_step_s(update.policy, samples, steps) if mode == "full" else None
     return {
+        "trl_step_s": trl,
         "gen_s": gen_s, "gen_new_tokens": sum(len(g.token_ids) for g in generations),
         "prompt_tokens": sum(len(p) for p in prompt_ids), "prompts": len(prompt_ids),
         "step_s": step_s, "step_tokens": tokens,
         "trainable_params": sum(p.numel() for p in update.policy.model.parameters() if p.requires_grad),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb,
     }
+
+
+def trl_step_s(policy, samples, steps: int) -> float | str:
+    """One GRPO step as TRL's `GRPOTrainer` computes it (its own forward, `_get_per_token_logps_and_entropies`, and
+    its loss, `_compute_loss`, loss_type 'grpo', beta 0), then backward, clipping and AdamW as ours: the best time of
+    `steps`, or why it could not run. The trainer object is a stand-in holding only what those two methods read."""
+    try:
+        from trl import GRPOTrainer
+        from trl.trainer import add_fused_lm_head
+    except ImportError as exc:
+        return f"unavailable (TRL not installed: {exc.__class__.__name__}; pip install -e '.[trl]')"
+    import contextlib
+    import types
+    from collections import defaultdict
+
+    import torch
+
+    pad = policy.tokenizer.pad_token_id
+    width_p = max(len(s.prompt_ids) for s in samples)
+    width_r = max(len(s.response_ids) for s in samples)
+    prompt_ids = torch.tensor([[pad] * (width_p - len(s.prompt_ids)) + list(s.prompt_ids) for s in samples])
+    prompt_mask = torch.tensor([[0] * (width_p - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in samples])
+    completion_ids = torch.tensor([list(s.response_ids) + [pad] * (width_r - len(s.response_ids)) for s in samples])
+    completion_mask = torch.tensor([[1] * len(s.response_ids) + [0] * (width_r - len(s.response_ids))
+                                    for s in samples])
+    old = torch.tensor([list(s.behaviour_logprobs) + [0.0] * (width_r - len(s.response_ids)) for s in samples])
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.tensor([s.advantage for s in samples]),
+              "old_per_token_logps": old}
+    stand_in = types.SimpleNamespace(
+        loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, top_entropy_quantile=1.0,
+        aux_loss_enabled=False, off_policy_mask_threshold=None, importance_sampling_level="token",
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False), model=policy.model,
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, use_vllm=False, temperature=1.0,
+        _metrics=defaultdict(lambda: defaultdict(list)), max_completion_length=width_r,
+        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                          reduce=lambda x, **_: x, sync_gradients=True,
+                                          autocast=contextlib.nullcontext),
+    )
+    stand_in._get_per_token_logps_and_entropies = types.MethodType(
+        GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__, stand_in)
+    optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=1e-5, foreach=False)
+    durations = []
+    try:
+        # What GRPOTrainer.__init__ does to the model: log-probs from a tiled LM head, no full logits.
+        add_fused_lm_head(policy.model, temperature=1.0, outputs=("log_probs", "entropy"))
+        for _ in range(steps + 1):
+            started = time.perf_counter()
+            policy.model.train()
+            optimizer.zero_grad(set_to_none=True)
+            loss = GRPOTrainer._compute_loss(stand_in, policy.model, inputs)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+            optimizer.step()
+            durations.append(time.perf_counter() - started)
+    except Exception as exc:  # noqa: BLE001 - TRL's internals move between releases; say so instead of failing
+        return f"unavailable (TRL {exc.__class__.__name__}: {str(exc)[:160]})"
+    return min(durations[1:])
 
 
 def main() -> None:
@@ -107,6 +173,9 @@ def main() -> None:
         "lora_speedup": full["step_s"] / lora["step_s"],
         "lora_memory_ratio": lora["peak_rss_mb"] / full["peak_rss_mb"],
         "trainable_params_full": full["trainable_params"], "trainable_params_lora": lora["trainable_params"],
+        "trl_step_s_full": full["trl_step_s"],
+        "ours_over_trl_step_time": (full["step_s"] / full["trl_step_s"] if isinstance(full["trl_step_s"], float)
+                                    else full["trl_step_s"]),
         "threads": args.threads,
     }
     for name, value in lines.items():
