@@ -249,8 +249,13 @@ def locate_java(override: Path | str | None = None) -> str:
 
 
 def new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as `kafka-storage random-uuid`)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as `kafka-storage random-uuid`). Like
+    Kafka's own `Uuid.randomUuid()`, an id that starts with "-" is drawn again: the storage tool's argument parser
+    would read it as an option (1 format in 64 failed with "--cluster-id: expected one argument")."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def server_properties(port: int, controller_port: int, log_dir: Path) -> dict[str, str]:
