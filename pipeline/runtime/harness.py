@@ -172,8 +172,12 @@ def run_worker(
 ) -> HarnessResult:
     """Run `worker` until every input is handled and it is not `busy` (or it is `done`, or after `max_polls`), then
     decode what it published."""
+    if blobs is None:  # a store of its own for this run, removed after it (pass one to read what it kept)
+        with tempfile.TemporaryDirectory(prefix="crl-harness-blobs-") as directory:
+            return run_worker(worker, inputs, context=context, settings=settings, max_payload_bytes=max_payload_bytes,
+                              batch_size=batch_size, run_id=run_id, output=output,
+                              blobs=BlobStore(Path(directory)), max_polls=max_polls)
     journal = output.journal if output is not None else Journal()
-    blobs = blobs or BlobStore(Path(tempfile.mkdtemp(prefix="crl-harness-blobs-")))
     records = to_records(inputs)
     input_log = MemoryInput(records, journal, batch_size)
     memory_log = context.log if context is not None and isinstance(context.log, MemoryLog) else None
