@@ -2,6 +2,18 @@
 
 `decode` raises a subclass of `EventDecodeError` whose name and message say exactly what was wrong; the worker
 runner turns that into a dead letter. Payloads are JSON only (never pickle), so any client can read the log.
+
+How strict the wire is (one rule, whatever the path or the topic):
+- A record is one JSON object carrying the whole envelope: `kind`, `schema_version`, `event_id`, `run_id`,
+  `occurred_at` and `producer`. Nothing of it is defaulted on read: an `event_id` or `occurred_at` made up while
+  decoding would differ on every read and defeat deduplication, so a record without them is rejected.
+- Values have their JSON types, never coerced: an integer field takes a JSON integer (not `"7"`, not `2.0`), a
+  boolean `true`/`false` (not `"yes"`, not `1`), a string a JSON string (not `7`); a float field takes any JSON number
+  (`2` is 2.0). Ids, UUIDs and timestamps are strings in their documented formats. No NaN or infinity.
+- Unknown fields are rejected (`extra="forbid"`). An older `schema_version` is lifted by the upcasters first, then
+  held to the same rule.
+What is accepted is therefore exactly what `encode` would write for the decoded event, up to JSON spelling (key order,
+white space, number formatting): the archive never holds a normalised copy of something the producer did not say.
 """
 
 from __future__ import annotations
@@ -70,7 +82,9 @@ def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOA
         # (15-25% faster here). Strict, so it accepts only what the path below accepts unchanged (no `1.0` for an int);
         # whatever it rejects (old versions to upcast, lax input, bad input of any kind) takes the path below,
         # which decides, and says exactly what was wrong.
-        return topic.adapter.validate_json(data, strict=True)
+        event = topic.adapter.validate_json(data, strict=True)
+        if _carries_envelope(event):
+            return event
     except ValidationError:
         pass
     try:
@@ -93,10 +107,19 @@ def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOA
         payload = upcast(payload, EVENT_TYPES[kind].current_version())
     except (UpcastError, KeyError, TypeError, ValueError) as exc:
         raise SchemaVersionError(f"{kind}: cannot upcast: {exc}") from exc
+    missing = [name for name in Event.ENVELOPE_FIELDS if name not in payload]
+    if missing:
+        raise InvalidEventError(f"{kind}: {', '.join(missing)}: required on the wire (never defaulted on read)")
     try:
-        return topic.adapter.validate_python(payload)
+        # The same strict JSON validation as the fast path, on the upcast payload: one rule for every path.
+        return topic.adapter.validate_json(pydantic_core.to_json(payload, inf_nan_mode="constants"), strict=True)
     except ValidationError as exc:
         raise InvalidEventError(f"{kind}: {describe_validation_error(exc)}") from exc
+
+
+def _carries_envelope(event: Event) -> bool:
+    """Whether the record named every envelope field (validation fills defaults in; the wire may not)."""
+    return event.model_fields_set.issuperset(Event.ENVELOPE_FIELDS)
 
 
 def encode_for_topic(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Topic, bytes, bytes]:

@@ -2,7 +2,8 @@
 
 The raw bytes travel inline (base64) up to `MAX_INLINE_RAW_BYTES`; larger records (the oversize ones, typically) are
 written to the run's blob store and referenced by URI and sha256 (claim check), so nothing is lost and the dead
-letter itself stays far below the broker's message limit.
+letter itself stays far below the broker's message limit. The record's key is kept the same way, inline up to
+`MAX_INLINE_KEY_BYTES`: a poison record with a large key must not make its dead letter too large to publish.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import Field, model_validator
 from schemas.base import Event, NonNegativeInt, Sha256Hex
 
 MAX_INLINE_RAW_BYTES = 256 * 1024
+MAX_INLINE_KEY_BYTES = 1024
 
 
 class DeadLetter(Event):
@@ -25,7 +27,10 @@ class DeadLetter(Event):
     source_topic: str = Field(min_length=1)
     source_partition: NonNegativeInt
     source_offset: NonNegativeInt
-    source_key_b64: str | None = Field(default=None, description="Record key, base64; None when it had none.")
+    source_key_b64: str | None = Field(default=None, description="Record key, base64, when at most 1 KiB.")
+    source_key_uri: str | None = Field(default=None, description="Blob-store URI of the key when it is larger.")
+    source_key_size: NonNegativeInt | None = Field(default=None, description="Key size in bytes (claim check only).")
+    source_key_sha256: Sha256Hex | None = Field(default=None, description="sha256 of the key (claim check only).")
     raw_b64: str | None = Field(default=None, description="Record value, base64, when at most 256 KiB.")
     raw_uri: str | None = Field(default=None, description="Blob-store URI of the value when it is larger.")
     raw_size: NonNegativeInt = Field(description="Size of the record value in bytes.")
@@ -39,4 +44,9 @@ class DeadLetter(Event):
             raise ValueError("exactly one of raw_b64 (inline) and raw_uri (claim check) must be set")
         if self.raw_b64 is not None and len(base64.b64decode(self.raw_b64)) != self.raw_size:
             raise ValueError("raw_size does not match raw_b64")
+        if self.source_key_b64 is not None and self.source_key_uri is not None:
+            raise ValueError("a key is kept inline (source_key_b64) or by claim check (source_key_uri), not both")
+        claim_check = (self.source_key_uri, self.source_key_size, self.source_key_sha256)
+        if any(part is not None for part in claim_check) and None in claim_check:
+            raise ValueError("source_key_uri, source_key_size and source_key_sha256 are set together")
         return self

@@ -78,7 +78,7 @@ class BankProjection(Worker):
         self.exact_threshold = context.settings.bank.exact_threshold
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
-        self.state = BankState()
+        self.state = BankState(self.run_id)
         self.log_id: str | None = None
         self.changed: set[str] = set()
         self.served: list[dict[str, object]] = []
@@ -89,7 +89,8 @@ class BankProjection(Worker):
             self.log_id = position.log_id
             # Never from a snapshot ahead of SQL: it is written in `handle`, before that batch's SQL save, so a crash
             # between the two would leave the ops in between unwritten to SQL if the worker resumed past them.
-            restored = restore_newest(self.snapshots, position.log_id, at_most=position.next_offset)
+            restored = restore_newest(self.snapshots, position.log_id, at_most=position.next_offset,
+                                      run_id=self.run_id)
             if restored is not None:
                 path, self.state = restored
                 log.info("bank resumes from snapshot %s; SQL is at %d", path.name, position.next_offset)

@@ -118,7 +118,8 @@ class Extractor(Worker):
         settings = self.context.settings
         self.follower.start()
         self.replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
-                                   settings.run_dir, settings.bank.exact_threshold).start()
+                                   settings.run_dir, settings.bank.exact_threshold,
+                                   run_id=settings.resolved_run_id).start()
         self.encoder = load_sentence_encoder(self.embedding_model)
 
     def handle(self, event: Event, origin: Origin) -> list[Event]:

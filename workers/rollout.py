@@ -150,7 +150,8 @@ class Rollout(Worker):
 
         settings = self.context.settings
         self._replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
-                                    settings.run_dir, settings.bank.exact_threshold).start()
+                                    settings.run_dir, settings.bank.exact_threshold,
+                                    run_id=settings.resolved_run_id).start()
         if not self._replica.wait_caught_up(self.settings.replica_wait_s):
             log.warning("bank replica not caught up after %.1fs; serving from offset %d (recorded per episode)",
                         self.settings.replica_wait_s, self._replica.offset)

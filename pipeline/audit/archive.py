@@ -3,7 +3,9 @@
 Layout: `RUN_DIR/archive/<topic>/<partition>-<first offset>-<last offset>-<log id>.parquet`, one row per event with
 the envelope as columns, the Kafka coordinates (with the topic id of the log the offsets count in: a restarted
 embedded broker starts a new log at offset 0, and its segments must not replace the old log's), and the whole event
-(after upcasting) as JSON in `payload`. A segment
+(after upcasting) as JSON in `payload`. The record's own timestamp is kept exactly in `record_timestamp_ms` (Kafka
+allows any 64-bit value; -1 means none) and as a timestamp in `record_timestamp` when it lies in years 1970-9999
+(NULL otherwise), so a producer's odd clock never keeps an event out of the archive. A segment
 is written to a hidden temporary file, fsynced, renamed into place and its directory fsynced, so a segment either
 exists whole or not at all. The archiver commits its input offsets only after that; a crash between the rename and
 the commit archives the same events again in a later segment, which the audit views remove by `event_id`.
@@ -37,10 +39,15 @@ ARCHIVE_SCHEMA = pa.schema(
         ("offset", pa.int64()),
         ("log_id", pa.string()),
         ("record_timestamp", pa.timestamp("ms", tz="UTC")),
+        ("record_timestamp_ms", pa.int64()),
         ("record_key", pa.string()),
         ("payload", pa.string()),
     ]
 )
+
+
+LATEST_TIMESTAMP_MS = int(datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC).timestamp() * 1000)
+"""The last record timestamp `record_timestamp` holds (Python's and most tools' datetimes end in year 9999)."""
 
 
 def archive_root(run_dir: Path) -> Path:
@@ -61,7 +68,8 @@ def archive_row(event: Event, topic: str, partition: int, offset: int, timestamp
         "partition": partition,
         "offset": offset,
         "log_id": log_id,
-        "record_timestamp": datetime.fromtimestamp(timestamp_ms / 1000, UTC) if timestamp_ms >= 0 else None,
+        "record_timestamp": timestamp_ms if 0 <= timestamp_ms <= LATEST_TIMESTAMP_MS else None,
+        "record_timestamp_ms": timestamp_ms,
         "record_key": key.decode("utf-8", errors="replace") if key is not None else None,
         "payload": event.model_dump_json(),
     }

@@ -23,8 +23,14 @@ from pipeline.bank.state import ExperienceOp
 from pipeline.bank.store import BankStore
 from pipeline.errors import ConfigError, HashMismatchError
 from pipeline.runtime.log import KafkaLog
-from schemas.codec import decode
+from schemas.codec import EventDecodeError, decode
 from schemas.topics import EXPERIENCE_OPS_TOPIC
+
+
+def archived_run_id(run_dir: Path) -> str | None:
+    """The run `run_dir`'s archive records (its first `RunStarted`), whose ops a replayed bank applies."""
+    with Audit(run_dir) as audit:
+        return audit.run_id
 
 
 def archived_logs(run_dir: Path) -> list[tuple[str, int, str]]:
@@ -56,9 +62,14 @@ def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, Experien
 
 
 def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, ExperienceOp]]:
-    """Every op from offset 0 up to the end the op log had when reading started."""
+    """Every op from offset 0 up to the end the op log had when reading started. A record that does not decode is
+    passed over, as the bank worker did (it dead-lettered it; the archive holds the dead letter, not an op)."""
     for record in KafkaLog(kafka, client_id="crl-replay").iterate_to_end(EXPERIENCE_OPS_TOPIC, idle_timeout_s):
-        yield record.offset, decode(EXPERIENCE_OPS_TOPIC, record.value)  # type: ignore[misc]
+        try:
+            op = decode(EXPERIENCE_OPS_TOPIC, record.value)
+        except EventDecodeError:
+            continue
+        yield record.offset, op  # type: ignore[misc]
 
 
 @dataclass
@@ -109,5 +120,5 @@ def replay_bank(run_dir: Path, store: BankStore, kafka: KafkaSettings | None = N
         snapshot, snapshot_state = restored
         checkpoints.append(Checkpoint(f"snapshot {snapshot.name}", snapshot_state.next_offset,
                                       snapshot_state.state_hash()))
-    result = replay(ops, checkpoints)
+    result = replay(ops, checkpoints, run_id=archived_run_id(run_dir))
     return BankReplayReport(source, result, checkpoints, problems + result.mismatches(checkpoints), notes)

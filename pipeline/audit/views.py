@@ -335,12 +335,19 @@ class Audit:
             self.connection.execute(f"CREATE VIEW {_quote(snake_case(kind))} AS {kind_view_sql(event_type)}")
         for name in RUN_VIEWS:
             self.connection.execute(f"CREATE VIEW {name} AS {RUN_VIEW_SQL[name]}")
+        self.run_id = self._run_id()
+        """The run the archive records (its first `RunStarted`); the bank replays apply only its ops."""
         self.op_log_id = self._newest_op_log()
         """The op log the experience views replay (None: the archive holds no experience ops)."""
         self._experience_views_ready = False
         self.connection.execute(f"SET allowed_directories = [{_sql_string(str(self.root) + '/')}]")
         self.connection.execute("SET enable_external_access = false")
         self.connection.execute("SET lock_configuration = true")
+
+    def _run_id(self) -> str | None:
+        rows = self.connection.execute(
+            "SELECT run_id FROM events WHERE kind = 'RunStarted' ORDER BY log_id, \"offset\" LIMIT 1").fetchall()
+        return rows[0][0] if rows else None
 
     def _newest_op_log(self) -> str | None:
         """The op log `crl replay bank` replays when the bank has no live position: the last one written."""
@@ -375,7 +382,8 @@ class Audit:
                 ops[offset] = op
                 yield offset, op
 
-        state = replay(remembered(self.op_log_id)).state if self.op_log_id is not None else BankState()
+        state = (replay(remembered(self.op_log_id), run_id=self.run_id).state if self.op_log_id is not None
+                 else BankState(self.run_id))
         self.connection.execute("CREATE SCHEMA replayed_bank")
         for name, rows in replayed_tables(state, ops).items():
             self.connection.register("replayed_rows", pa.Table.from_pylist(rows, schema=_REPLAYED_TABLES[name]))

@@ -58,17 +58,20 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint] = ()) -> ReplayResult:
-    """Apply `(offset, op)` pairs in order, taking the hash wherever a checkpoint's offset is reached.
+def replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint] = (),
+           run_id: str | None = None) -> ReplayResult:
+    """Apply `(offset, op)` pairs in order to a bank of run `run_id`, taking the hash wherever a checkpoint's offset
+    is reached.
 
     Runs with the garbage collector paused (`collector_paused`); `ops` may decode lazily inside it."""
     with collector_paused():
-        return _replay(ops, checkpoints)
+        return _replay(ops, checkpoints, run_id)
 
 
-def _replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint]) -> ReplayResult:
+def _replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint],
+            run_id: str | None) -> ReplayResult:
     pending = sorted(checkpoints, key=lambda c: c.next_offset)
-    result = ReplayResult(BankState())
+    result = ReplayResult(BankState(run_id))
     result.hashes = {checkpoint.name: None for checkpoint in pending}
 
     def take_due() -> None:

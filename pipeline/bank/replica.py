@@ -93,7 +93,7 @@ class LocalBank:
     def __init__(self, state: BankState | None = None, exact_threshold: int = 10_000,
                  index: ExperienceIndex | None = None) -> None:
         """`index`, when given, must hold exactly the active experiences of `state` (a snapshot's index)."""
-        self.state = state or BankState()
+        self.state = state if state is not None else BankState()
         self.exact_threshold = exact_threshold
         self.lock = ReadWriteLock()
         self.index = index
@@ -181,18 +181,20 @@ class LocalBank:
 class BankReplica(LocalBank, FollowedView):
     """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot of log `log_id`."""
 
-    def __init__(self, follow: Follow, log_id: str, run_dir: Path | None = None, exact_threshold: int = 10_000) -> None:
+    def __init__(self, follow: Follow, log_id: str, run_dir: Path | None = None, exact_threshold: int = 10_000,
+                 run_id: str | None = None) -> None:
         self.log_id = log_id
         self.run_dir = run_dir
         self.skipped = 0
         """Records that did not decode (the bank worker dead-letters them)."""
         state, index = None, None
-        restored = restore_newest(snapshots_root(run_dir), self.log_id) if run_dir is not None else None
+        restored = (restore_newest(snapshots_root(run_dir), self.log_id, run_id=run_id) if run_dir is not None
+                    else None)
         if restored is not None:
             snapshot, state = restored
             index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
             log.info("replica starts from snapshot %s", snapshot.name)
-        super().__init__(state, exact_threshold, index)
+        super().__init__(state if state is not None else BankState(run_id), exact_threshold, index)
         self.follower: Follower = follow([EXPERIENCE_OPS_TOPIC], self._on_record,
                                          start={(EXPERIENCE_OPS_TOPIC.name, 0): self.state.next_offset},
                                          name="bank-replica")

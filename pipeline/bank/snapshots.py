@@ -112,8 +112,10 @@ def newest_snapshot(root: Path, log_id: str | None = None, at_most: int | None =
     return None
 
 
-def restore_newest(root: Path, log_id: str, at_most: int | None = None) -> tuple[Path, BankState] | None:
-    """The newest snapshot of `log_id` (at or below `at_most`) that passes every check, with its state.
+def restore_newest(root: Path, log_id: str, at_most: int | None = None,
+                   run_id: str | None = None) -> tuple[Path, BankState] | None:
+    """The newest snapshot of `log_id` (at or below `at_most`) that passes every check, with its state (a bank of
+    run `run_id` from there on).
 
     A torn or tampered snapshot is logged and skipped for the next older one, never trusted and never fatal.
     """
@@ -128,6 +130,7 @@ def restore_newest(root: Path, log_id: str, at_most: int | None = None) -> tuple
         except SnapshotError as exc:
             log.warning("skipping snapshot %s: %s", path, exc)
             continue
+        state.run_id = run_id
         return path, state
     return None
 

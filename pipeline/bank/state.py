@@ -1,6 +1,6 @@
 """The experience bank as a pure state machine over `crl.experience-ops`. No I/O, no clocks, no randomness.
 
-    state = BankState()
+    state = BankState(run_id)
     for offset, op in enumerate(ops):
         outcome = state.apply(op, offset)     # Applied | Duplicate | Rejected(reason)
     state.state_hash()                        # equal on every replica that applied the same log
@@ -17,6 +17,9 @@ Rules (DESIGN.md §4, PAPER.md "Experience operations"):
 - An `op_id` seen before (applied or rejected) is a `Duplicate` and changes nothing: a re-processed trajectory or a
   re-delivered record yields the same op ids.
 - Every key vector of a bank comes from one embedding model and dimension; an op with another is rejected.
+- A bank belongs to one run: given its `run_id`, an op stamped with another run's is rejected (and its op id is not
+  remembered, so it cannot shadow an op of this run). Every consumer of the log (the bank worker, the replicas, both
+  replays) passes the run's id, so they decide alike.
 
 Retrieval and training counters come from other topics (`TrajectoryCompleted`, `TrainStepCompleted`) whose
 interleaving with the op log differs between consumers, so they are not in the hash. The bank worker counts them
@@ -119,7 +122,9 @@ def _frozen_key(key: EmbeddingVector) -> np.ndarray:
 class BankState:
     """Experiences by id, plus the op ids seen and the position in the op log."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
+        self.run_id = run_id
+        """The run whose ops this bank applies; None applies any run's (synthetic banks, benchmarks)."""
         self.experiences: dict[str, Experience] = {}
         self.seen_op_ids: set[str] = set()
         self.key_model: str | None = None
@@ -135,6 +140,9 @@ class BankState:
     def apply(self, op: ExperienceOp, offset: int) -> Outcome:
         """Apply `op`, read at `offset` of the op log."""
         self.next_offset = max(self.next_offset, offset + 1)
+        if self.run_id is not None and op.run_id != self.run_id:
+            self.rejected += 1
+            return Rejected(op.op_id, f"op of run {op.run_id}, but this bank belongs to run {self.run_id}")
         if op.op_id in self.seen_op_ids:
             self.duplicates += 1
             return Duplicate(op.op_id)

@@ -49,7 +49,7 @@ from pipeline.runtime.settings import RunnerSettings
 from pipeline.runtime.transport import InputLog, OffsetStore, OutputLog, Position, Record
 from schemas.base import Event, Producer
 from schemas.codec import EventDecodeError, decode, encode_for_topic
-from schemas.dead_letters import MAX_INLINE_RAW_BYTES, DeadLetter
+from schemas.dead_letters import MAX_INLINE_KEY_BYTES, MAX_INLINE_RAW_BYTES, DeadLetter
 from schemas.topics import Topic, topic_named
 
 if TYPE_CHECKING:
@@ -380,20 +380,22 @@ class WorkerRunner:
 
     def dead_letter(self, record: Record, error: BaseException) -> DeadLetter:
         raw = record.value or b""
-        # Inline only what leaves the dead letter well inside the payload cap (base64 grows 4/3; envelope, key and
-        # a message of up to 4000 characters fit in 16 KiB); anything larger goes to the blob store.
+        # Inline only what leaves the dead letter well inside the payload cap (base64 grows 4/3; the envelope, a key
+        # of up to 1 KiB and a message of up to 2000 characters, each at most 6 bytes escaped, fit in 16 KiB); larger
+        # values and keys go to the blob store.
         inline_limit = min(MAX_INLINE_RAW_BYTES, (self.max_payload_bytes - 16 * 1024) * 3 // 4)
         inline = len(raw) <= inline_limit
         if inline:
             raw_b64, raw_uri, raw_sha256 = base64.b64encode(raw).decode("ascii"), None, None
         else:
-            if self.blobs is None:
-                raise WorkerFailedError(
-                    f"record {record.topic}[{record.partition}]@{record.offset} ({len(raw)} bytes) needs a claim"
-                    " check but the worker has no blob store"
-                )
             raw_b64 = None
-            raw_uri, raw_sha256 = self.blobs.put(raw)
+            raw_uri, raw_sha256 = self._claim_check(record, raw, "value")
+        key = record.key
+        key_b64 = key_uri = key_sha256 = None
+        if key is not None and len(key) <= MAX_INLINE_KEY_BYTES:
+            key_b64 = base64.b64encode(key).decode("ascii")
+        elif key is not None:
+            key_uri, key_sha256 = self._claim_check(record, key, "key")
         message = str(error)
         return DeadLetter(
             run_id=self.run_id,
@@ -401,14 +403,26 @@ class WorkerRunner:
             source_topic=record.topic,
             source_partition=record.partition,
             source_offset=record.offset,
-            source_key_b64=base64.b64encode(record.key).decode("ascii") if record.key is not None else None,
+            source_key_b64=key_b64,
+            source_key_uri=key_uri,
+            source_key_size=len(key) if key_uri is not None and key is not None else None,
+            source_key_sha256=key_sha256,
             raw_b64=raw_b64,
             raw_uri=raw_uri,
             raw_size=len(raw),
             raw_sha256=raw_sha256 or hashlib.sha256(raw).hexdigest(),
             error_class=type(error).__name__,
-            error_message=message[:4000] if message else repr(error),
+            error_message=message[:2000] if message else repr(error)[:2000],
         )
+
+    def _claim_check(self, record: Record, data: bytes, what: str) -> tuple[str, str]:
+        """(URI, sha256) of `data` written to the blob store, for a dead letter too large to carry it inline."""
+        if self.blobs is None:
+            raise WorkerFailedError(
+                f"the {what} of record {record.topic}[{record.partition}]@{record.offset} ({len(data)} bytes) needs a"
+                " claim check but the worker has no blob store"
+            )
+        return self.blobs.put(data)
 
     # -- commits --------------------------------------------------------------------------------------------------
 

@@ -255,3 +255,16 @@ def test_synthetic_logs_generate_for_any_seed_and_length():
             ops = synthetic_op_log(count, seed=seed)
             assert 0 < len(ops) <= count
             assert replay(enumerate(ops)).state.next_offset == len(ops)
+
+
+def test_a_bank_applies_only_its_own_runs_ops_and_a_foreign_op_id_shadows_nothing() -> None:
+    state = BankState(run_id="r")
+    foreign = add("o1", "e-foreign").model_copy(update={"run_id": "other-run"})
+    assert state.apply(foreign, 0) == Rejected("o1", "op of run other-run, but this bank belongs to run r")
+    # the same op id from this run is then applied, not taken for a duplicate of the foreign one
+    assert state.apply(add("o1", "e1"), 1) == Applied("o1", ("e1",))
+    assert (state.applied, state.rejected, state.duplicates, state.next_offset) == (1, 1, 0, 2)
+    assert sorted(state.experiences) == ["e1"]
+    # every replay of the same log given the run decides alike; one without a run applies both
+    assert replay([(0, foreign), (1, add("o1", "e1"))], run_id="r").state.state_hash() == state.state_hash()
+    assert sorted(replay([(0, foreign), (1, add("o1", "e1"))]).state.experiences) == ["e-foreign"]
