@@ -157,7 +157,7 @@ class ActorTrainer(Worker):
         io.commit()
 
     def handle(self, event: Event, origin: Origin) -> list[Event]:
-        if isinstance(event, TrajectoryCompleted):
+        if isinstance(event, TrajectoryCompleted) and event.run_id == self.trainer.run_id:  # never another run's
             self.collector.add(event, (origin.topic, origin.partition), origin.offset, time.monotonic())
         return []
 

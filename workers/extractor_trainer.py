@@ -98,6 +98,8 @@ class ExtractorTrainer(Worker):
                      self.trainer.current.version)
 
     def handle(self, event: Event, origin: Origin) -> list[Event]:
+        if event.run_id != self.trainer.run_id:
+            return []  # another run's events never enter this run's batches or credit
         if isinstance(event, ExtractionGenerated):
             self.join.add_extraction(event)
         elif isinstance(event, TrajectoryCompleted):

@@ -46,3 +46,27 @@ def test_the_extractor_trainer_trains_once_its_buffer_holds_credited_generations
     assert len(steps) == 1 and steps[0].loss_variant == "cispo"
     assert sorted(steps[0].batch_event_ids) == sorted(str(g.event_id) for g in generations)
     assert len(steps[0].rewards) == len(steps[0].advantages) == 2
+
+
+def test_trainers_never_take_another_runs_events_into_a_batch(tmp_path):
+    # A planted copy of each event under another run's id (new event ids, same step and groups) is ignored: the step
+    # trains on this run's four episodes only, and the extractor's buffer holds only this run's generations.
+    settings = settings_for(tmp_path, actor_trainer={"group_size": 4})
+    ours = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=0, groups=1, group_size=4, seed=0)
+    planted = synthetic_trajectories(build_tiny(TINY), run_id="another-run", step=0, groups=1, group_size=4, seed=0)
+    worker, context = build_worker(ActorTrainer, settings)
+    result = run_worker(worker, [*planted, *ours], context=context)
+    [step] = [e for e in result.outputs if isinstance(e, TrainStepCompleted)]
+    assert sorted(step.batch_event_ids) == sorted(str(t.event_id) for t in ours)
+
+    generations = synthetic_extractions(build_tiny(TINY.model_copy(update={"seed": 1})), run_id=RUN, count=2, seed=2)
+    foreign = synthetic_extractions(build_tiny(TINY.model_copy(update={"seed": 1})), run_id="another-run", count=2,
+                                    seed=5)
+    guided = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=1, groups=1, group_size=4, seed=3,
+                                    served_generations=[g.generation_id for g in generations])
+    foreign_guided = synthetic_trajectories(build_tiny(TINY), run_id="another-run", step=1, groups=1, group_size=4,
+                                            seed=3, served_generations=[g.generation_id for g in foreign])
+    worker, context = build_worker(ExtractorTrainer, settings_for(tmp_path / "extractor"))
+    result = run_worker(worker, [*foreign, *foreign_guided, *generations, *guided], context=context)
+    steps = [e for e in result.outputs if isinstance(e, TrainStepCompleted)]
+    assert [sorted(s.batch_event_ids) for s in steps] == [sorted(str(g.event_id) for g in generations)]
