@@ -105,6 +105,9 @@ class BankProjection(Worker):
         return _BankPositions(self, context.sql_offset_store(self.name))
 
     def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+        if isinstance(event, TrajectoryCompleted | ExtractionGenerated | TrainStepCompleted) \
+                and event.run_id != self.run_id:
+            return ()  # another run's counters are not this bank's (its ops are rejected by the state machine)
         if isinstance(event, TrajectoryCompleted):
             self.served += [
                 {"trajectory_id": event.trajectory_id, "experience_id": ref.experience_id, "version": ref.version,
