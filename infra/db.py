@@ -13,6 +13,8 @@ the newest revision in `infra/migrations/versions` and is safe to call from many
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,10 @@ from sqlalchemy import (
     make_url,
     text,
 )
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from infra.errors import ConfigError
+from infra.errors import ConfigError, RetryableError
 
 SQLITE_FILE_NAME = "crl.sqlite3"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -297,3 +300,19 @@ def check_connection(engine: Engine) -> str:
         connection.execute(text("SELECT 1")).scalar_one()
     version = ".".join(str(part) for part in engine.dialect.server_version_info or ())
     return f"{engine.dialect.name} {version}".strip()
+
+
+@contextmanager
+def transient_database_errors(what: str) -> Iterator[None]:
+    """Raise the database errors a retry can outlive — the server stopped or restarting, a dropped connection, SQLite
+    busy — as `RetryableError` (the worker runner retries them with backoff); any other error stays what it is.
+
+    The pool is pre-pinged (`make_engine`), so after a restart the next attempt gets a fresh connection."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        raise RetryableError(f"{what}: the database is unavailable: {str(exc.orig or exc).strip()}") from exc
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        raise RetryableError(f"{what}: the connection was lost: {str(exc.orig or exc).strip()}") from exc

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+from infra.db import transient_database_errors
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.snapshots import restore_newest, snapshots_root, write_snapshot
 from pipeline.bank.state import Applied, BankState, Rejected
@@ -148,6 +149,12 @@ class BankProjection(Worker):
         )]
 
     def flush(self) -> None:
+        """Write what changed since the last flush — rows, versions, usage and the position — in one transaction. A
+        database that is down raises `RetryableError` having written nothing, and the runner retries this flush."""
+        with transient_database_errors("bank flush"):
+            self._flush()
+
+    def _flush(self) -> None:
         stored = self.store.position(EXPERIENCE_OPS_TOPIC.name, 0)
         catching_up = (stored is not None and stored.log_id == self.log_id
                        and stored.next_offset > self.state.next_offset)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection, Engine, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from infra.db import consumer_offsets
+from infra.db import consumer_offsets, transient_database_errors
 from pipeline.errors import InvalidArgumentError
 
 TopicPartition = tuple[str, int]
@@ -57,7 +57,7 @@ class SqlOffsetStore:
         query = select(columns.topic, columns.partition, columns.next_offset, columns.log_id).where(
             columns.worker == self.worker
         )
-        with self.engine.connect() as connection:
+        with transient_database_errors(f"loading {self.worker}'s positions"), self.engine.connect() as connection:
             return {
                 (topic, partition): LogPosition(next_offset, log_id)
                 for topic, partition, next_offset, log_id in connection.execute(query)
@@ -74,7 +74,7 @@ class SqlOffsetStore:
         if not positions:
             return
         updated_at = datetime.now(UTC)
-        with self.engine.begin() as connection:
+        with transient_database_errors(f"saving {self.worker}'s positions"), self.engine.begin() as connection:
             # A fixed row order keeps two concurrent saves from locking the same rows in opposite orders (deadlock).
             for (topic, partition), position in sorted(positions.items()):
                 self._upsert(connection, topic, partition, position, updated_at)

@@ -428,7 +428,7 @@ class WorkerRunner:
 
     def commit(self) -> None:
         """Durable state, then every output acknowledged, then the input positions. Never the other way round."""
-        self.worker.flush()
+        self._retrying_an_outage("state flush", self.worker.flush)
         self.output_log.flush()
         if self.input_log is not None and self.positions:
             # A partition that moved to another member is not ours to commit: its new owner resumes at the last
@@ -436,23 +436,36 @@ class WorkerRunner:
             for position in [p for p in self.positions if not self.input_log.owns(p)]:
                 log.info("not committing %s[%d]: the partition was revoked", *position)
                 del self.positions[position]
-            self._commit_with_retries(self.worker.committable(dict(self.positions)))
+            positions = self.worker.committable(dict(self.positions))
+            input_log = self.input_log
+            self._retrying_an_outage("offset commit", lambda: input_log.commit(positions))
         self.metrics.commits += 1
         self._uncommitted = False
 
-    def _commit_with_retries(self, positions: dict[Position, int]) -> None:
-        assert self.input_log is not None
-        for attempt in range(1, self.settings.max_retries + 2):
+    def _retrying_an_outage(self, what: str, action: Callable[[], None]) -> None:
+        """Run `action`, retrying a `RetryableError` with capped exponential backoff for at least `max_retries`
+        retries and `outage_s` seconds (a database or a broker restarting), then fail the worker without committing.
+        An action that fails writes nothing (the bank's rows and position are one transaction), so retrying is safe.
+        The waits are not cut short by a stop request: a stopping worker still wants this commit."""
+        attempt, first_failure = 0, None
+        while True:
             try:
-                self.input_log.commit(positions)
+                action()
+                if attempt:
+                    log.info("%s succeeded after %d retries (%.1fs)", what, attempt,
+                             time.monotonic() - (first_failure or 0.0))
                 return
             except RetryableError as exc:
-                if attempt > self.settings.max_retries:
-                    raise WorkerFailedError(f"offset commit failed {attempt} times: {exc}") from exc
+                attempt += 1
+                now = time.monotonic()
+                first_failure = first_failure if first_failure is not None else now
+                if attempt > self.settings.max_retries and now - first_failure >= self.settings.outage_s:
+                    raise WorkerFailedError(
+                        f"{what} failed {attempt} times over {now - first_failure:.0f}s: {exc}") from exc
                 self.metrics.retries += 1
                 delay = min(self.settings.retry_backoff_s * 2 ** (attempt - 1), self.settings.retry_backoff_max_s)
-                log.warning("commit retry %d/%d in %.2fs: %s", attempt, self.settings.max_retries, delay, exc)
-                time.sleep(delay)  # not interruptible: a stopping worker still wants this commit
+                log.warning("%s retry %d in %.2fs: %s", what, attempt, delay, exc)
+                time.sleep(delay)
 
     # -- metrics --------------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import pytest
 from kafka import KafkaProducer
 
 from infra.db import DbSettings, database_url, make_engine, migrate
+from infra.postgres import PostgresCluster, PostgresClusterError
 from pipeline.bank.replay import replay
 from pipeline.bank.snapshots import newest_snapshot, read_snapshot, snapshots_root
 from pipeline.bank.store import BankStore
@@ -25,21 +26,23 @@ pytestmark = pytest.mark.integration
 CRL = [sys.executable, "-m", "pipeline.cli"]
 
 
-def _bank_process(bootstrap: str, run_dir: Path, log: Path) -> subprocess.Popen:
+def _bank_process(bootstrap: str, run_dir: Path, log: Path, **extra: str) -> subprocess.Popen:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CRL_")},
         "CRL_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "CRL_RUN_DIR": str(run_dir),
+        "CRL_RUN_ID": "synthetic",  # the run synthetic_op_log stamps its ops with: a bank applies only its run's
         "CRL_BANK__SNAPSHOT_EVERY": "100",
         "CRL_RUNNER__POLL_TIMEOUT_MS": "50",
         "CRL_KAFKA__MAX_POLL_RECORDS": "40",  # small batches: many commit points to be killed between
+        **extra,
     }
     return subprocess.Popen([*CRL, "worker", "bank", "--instance", "bank-kill"], env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT)
 
 
-def _store(run_dir: Path) -> BankStore:
-    engine = make_engine(database_url(DbSettings(), run_dir))
+def _store(run_dir: Path, url: str | None = None) -> BankStore:
+    engine = make_engine(database_url(DbSettings(url=url), run_dir))
     migrate(engine)
     return BankStore(engine)
 
@@ -134,7 +137,7 @@ def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstr
     from pipeline.settings import Settings
     from workers.bank import BankProjection
 
-    ops = synthetic_op_log(250, seed=3)
+    ops = synthetic_op_log(250, seed=3, run_id="bank-it")
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     for op in ops:
         producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
@@ -170,7 +173,7 @@ def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bo
     from workers.archiver import Archiver
     from workers.bank import BankProjection
 
-    ops = synthetic_op_log(300, seed=11)
+    ops = synthetic_op_log(300, seed=11, run_id="replay-it")
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     for op in ops:
         producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
@@ -215,7 +218,7 @@ def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp
     from schemas.trajectories import ExperienceRef, TrajectoryCompleted
     from workers.bank import BankProjection
 
-    ops = synthetic_op_log(60, seed=21)
+    ops = synthetic_op_log(60, seed=21, run_id="count-it")
     state = replay(enumerate(ops)).state
     first, second = [e for e in state.active()][:2]
     template = next(e for e in example_events("count-it") if isinstance(e, TrajectoryCompleted))
@@ -259,7 +262,7 @@ def test_extractor_training_steps_count_per_experience(kafka_bootstrap, tmp_path
     from schemas.topics import EXTRACTIONS, TRAIN_STEPS
     from workers.bank import BankProjection
 
-    ops = synthetic_op_log(40, seed=4)
+    ops = synthetic_op_log(40, seed=4, run_id="train-it")
     state = replay(enumerate(ops)).state
     target = next(state.active())
     examples = {e.kind: e for e in example_events("train-it")}
@@ -283,3 +286,67 @@ def test_extractor_training_steps_count_per_experience(kafka_bootstrap, tmp_path
     build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=total, timeout_s=60)).run()
     row = _store(tmp_path).experience(target.experience_id)
     assert (row["trainings"], row["last_trained_step"]) == (2, 2)
+
+
+def test_the_bank_worker_rides_out_its_postgresql_being_stopped_and_started_mid_run(kafka_bootstrap, tmp_path):
+    # A PostgreSQL of this test's own (initdb in a temporary directory): stopping it touches no other server.
+    try:
+        cluster = PostgresCluster.temporary()
+    except PostgresClusterError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"no PostgreSQL for the outage test: {exc}")
+        pytest.skip(f"no PostgreSQL for the outage test: {exc}")
+    ops = synthetic_op_log(900, seed=5)
+    clean = replay(enumerate(ops)).state
+    log = tmp_path / "bank.out"
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=5)
+    bank = None
+    try:
+        cluster.start()
+        url = cluster.create_database("bank")
+        store = _store(tmp_path, url)
+        bank = _bank_process(kafka_bootstrap, tmp_path, log, CRL_DB__URL=url, CRL_RUNNER__RETRY_BACKOFF_MAX_S="0.5")
+
+        def position() -> int:
+            stored = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
+            return stored.next_offset if stored is not None else 0
+
+        for op in ops[:300]:
+            producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
+        producer.flush()
+        deadline = time.monotonic() + 60
+        while position() < 100 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert position() >= 100, log.read_text()[-3000:]
+        store.engine.dispose()
+        cluster.stop()  # mid-run: the worker is still applying the first 300 ops
+        for op in ops[300:]:
+            producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
+        producer.flush()
+        time.sleep(6)  # down for 6 s: several failed flushes, each retried with backoff
+        assert bank.poll() is None, log.read_text()[-3000:]
+        cluster.start()
+        deadline = time.monotonic() + 90
+        while position() < len(ops) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert bank.poll() is None, log.read_text()[-3000:]
+        stored = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
+        assert stored is not None and stored.next_offset == len(ops), log.read_text()[-3000:]
+        # position and rows were written together: the stored rows hash to the recorded position, which is the
+        # clean rebuild's
+        assert stored.state_hash == clean.state_hash() == store.load_state().state_hash()
+        assert (stored.applied, stored.duplicates, stored.rejected) == (clean.applied, clean.duplicates,
+                                                                        clean.rejected)
+        output = log.read_text()
+        assert "state flush retry" in output and "the database is unavailable" in output, output[-3000:]
+        assert "state flush succeeded after" in (tmp_path / "logs" / "bank-kill.log").read_text()
+    finally:
+        producer.close()
+        if bank is not None:
+            bank.send_signal(signal.SIGTERM)
+            try:
+                bank.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                bank.kill()
+        cluster.remove()
+    assert bank.returncode == 0, log.read_text()[-3000:]

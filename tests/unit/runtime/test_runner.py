@@ -400,3 +400,37 @@ def test_a_failed_offset_commit_is_retried():
     runner.run()
     assert input_log.committed == {("crl.control", 0): 1}
     assert runner.metrics.retries == 1
+
+
+def test_a_state_flush_that_fails_for_a_while_is_retried_then_commits():
+    # The bank's database restarting: its flush raises RetryableError (having written nothing) until it is back.
+    class FlakyFlush(EchoStop):
+        failures = 3
+
+        def flush(self) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise RetryableError("bank flush: the database is unavailable")
+
+    journal = Journal()
+    runner, input_log, output = _runner_over(FlakyFlush(), [_examples()["StopRequested"]], journal,
+                                             settings=RunnerSettings(max_retries=1, retry_backoff_s=0.001,
+                                                                     outage_s=30.0))
+    runner.run()  # more failures than max_retries, inside outage_s: retried, not failed
+    assert input_log.committed == {("crl.control", 0): 1} and len(output.delivered) == 1
+    assert runner.metrics.retries == 3
+
+
+def test_a_state_flush_failing_past_the_outage_time_fails_the_worker_without_committing():
+    class NeverFlushes(EchoStop):
+        def flush(self) -> None:
+            raise RetryableError("bank flush: the database is unavailable")
+
+    journal = Journal()
+    runner, input_log, output = _runner_over(NeverFlushes(), [_examples()["StopRequested"]], journal,
+                                             settings=RunnerSettings(max_retries=2, retry_backoff_s=0.001,
+                                                                     outage_s=0.05))
+    with pytest.raises(WorkerFailedError, match=r"state flush failed \d+ times over"):
+        runner.run()
+    assert input_log.committed == {} and output.delivered == []
+    assert runner.metrics.retries >= 2
