@@ -49,7 +49,13 @@ from pipeline.runtime.settings import RunnerSettings
 from pipeline.runtime.transport import InputLog, OffsetStore, OutputLog, Position, Record
 from schemas.base import Event, Producer
 from schemas.codec import EventDecodeError, decode, encode_for_topic
-from schemas.dead_letters import MAX_INLINE_KEY_BYTES, MAX_INLINE_RAW_BYTES, DeadLetter
+from schemas.dead_letters import (
+    MAX_INLINE_HEADER_BYTES,
+    MAX_INLINE_KEY_BYTES,
+    MAX_INLINE_RAW_BYTES,
+    DeadLetter,
+    dead_letter_id,
+)
 from schemas.topics import Topic, topic_named
 
 if TYPE_CHECKING:
@@ -381,9 +387,9 @@ class WorkerRunner:
     def dead_letter(self, record: Record, error: BaseException) -> DeadLetter:
         raw = record.value or b""
         # Inline only what leaves the dead letter well inside the payload cap (base64 grows 4/3; the envelope, a key
-        # of up to 1 KiB and a message of up to 2000 characters, each at most 6 bytes escaped, fit in 16 KiB); larger
-        # values and keys go to the blob store.
-        inline_limit = min(MAX_INLINE_RAW_BYTES, (self.max_payload_bytes - 16 * 1024) * 3 // 4)
+        # of up to 1 KiB, headers of up to 4 KiB and a message of up to 2000 characters, each at most 6 bytes
+        # escaped, fit in 24 KiB); larger values, keys and headers go to the blob store.
+        inline_limit = min(MAX_INLINE_RAW_BYTES, (self.max_payload_bytes - 24 * 1024) * 3 // 4)
         inline = len(raw) <= inline_limit
         if inline:
             raw_b64, raw_uri, raw_sha256 = base64.b64encode(raw).decode("ascii"), None, None
@@ -396,8 +402,16 @@ class WorkerRunner:
             key_b64 = base64.b64encode(key).decode("ascii")
         elif key is not None:
             key_uri, key_sha256 = self._claim_check(record, key, "key")
+        headers = tuple((name, base64.b64encode(value or b"").decode("ascii")) for name, value in record.headers)
+        headers_uri = None
+        if sum(len(name) + len(value) for name, value in headers) > MAX_INLINE_HEADER_BYTES:
+            headers_uri, _ = self._claim_check(record, json.dumps(headers).encode(), "headers")
+            headers = ()
+        raw_sha256 = raw_sha256 or hashlib.sha256(raw).hexdigest()
         message = str(error)
         return DeadLetter(
+            event_id=dead_letter_id(record.log_id, record.topic, record.partition, record.offset, raw_sha256,
+                                    type(error).__name__),
             run_id=self.run_id,
             producer=self.producer,
             source_topic=record.topic,
@@ -407,10 +421,12 @@ class WorkerRunner:
             source_key_uri=key_uri,
             source_key_size=len(key) if key_uri is not None and key is not None else None,
             source_key_sha256=key_sha256,
+            source_headers=headers,
+            source_headers_uri=headers_uri,
             raw_b64=raw_b64,
             raw_uri=raw_uri,
             raw_size=len(raw),
-            raw_sha256=raw_sha256 or hashlib.sha256(raw).hexdigest(),
+            raw_sha256=raw_sha256,
             error_class=type(error).__name__,
             error_message=message[:2000] if message else repr(error)[:2000],
         )
