@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.errors import ConfigError
+from pipeline.errors import PoisonMessageError
 from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
 from pipeline.rl.training import extractor_samples
 from pipeline.rl.update import Sample
@@ -62,8 +62,10 @@ class StepCollector:
             self.late += 1  # a warm-up step, a step already trained, or a straggler of a closed step
             return
         if trajectory.slot >= self.group_size:
-            raise ConfigError(f"trajectory {trajectory.trajectory_id} has slot {trajectory.slot} but the trainer's "
-                              f"group_size is {self.group_size}: the scheduler and the trainer disagree")
+            # This input, not the worker: a dead letter (a misconfigured scheduler shows as one per episode).
+            raise PoisonMessageError(f"trajectory {trajectory.trajectory_id} has slot {trajectory.slot} but the "
+                                     f"trainer's group_size is {self.group_size}: the scheduler and the trainer "
+                                     "disagree, or the record was not written by this run's scheduler")
         pending = self.steps[trajectory.step]
         pending.groups[trajectory.group_id].setdefault(trajectory.slot, (trajectory, position, offset))
         if pending.waiting_since is None:

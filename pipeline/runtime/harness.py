@@ -45,6 +45,7 @@ class RawRecord:
     partition: int = 0
     timestamp_ms: int | None = None
     """The record's timestamp (Kafka allows any 64-bit value); None numbers it like the events around it."""
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass
@@ -138,16 +139,17 @@ def to_records(items: Iterable[Event | RawRecord]) -> list[Record]:
     next_offset: dict[Position, int] = {}
     records = []
     for item in items:
-        timestamp_ms = 1_700_000_000_000 + len(records)
+        timestamp_ms, headers = 1_700_000_000_000 + len(records), ()
         if isinstance(item, RawRecord):
-            topic, partition, key, value = item.topic, item.partition, item.key, item.value
+            topic, partition, key, value, headers = item.topic, item.partition, item.key, item.value, item.headers
             timestamp_ms = timestamp_ms if item.timestamp_ms is None else item.timestamp_ms
         else:
             registry_topic = topic_of(item)
             topic, partition, key, value = registry_topic.name, 0, registry_topic.key_bytes(item), encode(item)
         offset = next_offset.get((topic, partition), 0)
         next_offset[(topic, partition)] = offset + 1
-        records.append(Record(topic, partition, offset, key, value, timestamp_ms=timestamp_ms, log_id=MEMORY_LOG_ID))
+        records.append(Record(topic, partition, offset, key, value, timestamp_ms=timestamp_ms, headers=headers,
+                              log_id=MEMORY_LOG_ID))
     return records
 
 

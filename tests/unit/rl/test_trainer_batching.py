@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.errors import PoisonMessageError
 from pipeline.rl.batching import ExtractorJoin, StepCollector
 from schemas.base import Producer
 from schemas.extractions import ExtractionGenerated
@@ -70,7 +70,7 @@ def test_warm_up_and_eval_episodes_are_not_collected():
 
 def test_a_slot_outside_the_configured_group_is_a_config_error():
     collector = StepCollector(group_size=2, groups_per_step=1, timeout_s=10, next_step=0)
-    with pytest.raises(ConfigError, match="group_size is 2"):
+    with pytest.raises(PoisonMessageError, match="group_size is 2"):
         collector.add(trajectory(0, "g", 5), P, 0, now=0.0)
 
 
