@@ -33,11 +33,21 @@ from infra.tansu import TansuBroker, locate_tansu
 APACHE_KAFKA_IMAGE = f"apache/kafka:{KAFKA_VERSION}"
 _CHOSEN: dict[str, str] = {}
 """Which real broker each tier ran on, for the session summary."""
+MEASURED: list[str] = []
+"""Lines tests measured, for the session summary (the `report_measurement` fixture appends to it)."""
+
+
+@pytest.fixture
+def report_measurement():
+    """A function that puts one line of what the test measured in the session summary."""
+    return MEASURED.append
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for tier, how in sorted(_CHOSEN.items()):
         terminalreporter.write_line(f"broker tier {tier}: {how}")
+    for line in MEASURED:
+        terminalreporter.write_line(line)
 
 
 @dataclass(frozen=True)
