@@ -93,7 +93,10 @@ def kill_on_schedule(run_dir: Path, process: subprocess.Popen, kills: list[Kill]
 
 def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s: float) -> Outcome:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_ENVS__SEED": str(seed), "CRL_ROLLOUT__GENERATION__SEED": str(seed)})
+    # The sampling changes from run to run; the task draws do not (the warm starts are cached per environment
+    # settings, so a new task seed would recompute them in every run).
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_ROLLOUT__GENERATION__SEED": str(seed),
+                "CRL_EXTRACTOR__GENERATION__SEED": str(seed)})
     log = (run_dir.parent / f"{run_dir.name}.out").open("wb")
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--steps", str(steps),

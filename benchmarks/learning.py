@@ -9,8 +9,9 @@
 Every run is a real `crl run configs/tiny-minihack-room.yaml --arm ARM` (embedded broker, every worker as a
 process), with `CRL_ENVS__SEED`, `CRL_ROLLOUT__GENERATION__SEED` and `CRL_EXTRACTOR__GENERATION__SEED` set to the
 seed: the task
-draws and the sampling change with it, the fixed eval pool and the warm-started models do not (the warm starts are
-cached, so only the first run pays for them). Runs go one after another (2 cores).
+draws, the sampling and the warm starts change with it (a warm start's demonstrations are drawn with the task seed,
+and its cache key holds the environment settings, so each seed's first run pays for its warm starts, later arms of
+that seed reuse them). Runs go one after another (2 cores).
 
 From each run's archive: per step, the train success and the cumulative environment steps (actions taken by train
 episodes). Arms are compared at equal environment steps: the budget is the smallest total any run reached, and an
