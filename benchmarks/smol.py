@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.trl_inputs import trl_inputs  # noqa: E402
+
 
 def measure(mode: str, prompts: int, steps: int, threads: int) -> dict:
     from pipeline.actor.episodes import ACTOR_SYSTEM, render_actor_prompt
@@ -101,24 +103,13 @@ def trl_step_s(policy, samples, steps: int) -> float | str:
 
     import torch
 
-    pad = policy.tokenizer.pad_token_id
-    width_p = max(len(s.prompt_ids) for s in samples)
-    width_r = max(len(s.response_ids) for s in samples)
-    prompt_ids = torch.tensor([[pad] * (width_p - len(s.prompt_ids)) + list(s.prompt_ids) for s in samples])
-    prompt_mask = torch.tensor([[0] * (width_p - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in samples])
-    completion_ids = torch.tensor([list(s.response_ids) + [pad] * (width_r - len(s.response_ids)) for s in samples])
-    completion_mask = torch.tensor([[1] * len(s.response_ids) + [0] * (width_r - len(s.response_ids))
-                                    for s in samples])
-    old = torch.tensor([list(s.behaviour_logprobs) + [0.0] * (width_r - len(s.response_ids)) for s in samples])
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-              "completion_mask": completion_mask, "advantages": torch.tensor([s.advantage for s in samples]),
-              "old_per_token_logps": old}
+    inputs = trl_inputs(samples, policy.tokenizer.pad_token_id)
     stand_in = types.SimpleNamespace(
         loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, top_entropy_quantile=1.0,
         aux_loss_enabled=False, off_policy_mask_threshold=None, importance_sampling_level="token",
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False), model=policy.model,
         current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, use_vllm=False, temperature=1.0,
-        _metrics=defaultdict(lambda: defaultdict(list)), max_completion_length=width_r,
+        _metrics=defaultdict(lambda: defaultdict(list)), max_completion_length=inputs["completion_ids"].shape[1],
         accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
                                           reduce=lambda x, **_: x, sync_gradients=True,
                                           autocast=contextlib.nullcontext),

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.trl_inputs import trl_inputs  # noqa: E402
 from pipeline.models.tiny import build_tiny  # noqa: E402
 from pipeline.rl.advantages import batch_mean_advantages  # noqa: E402
 from pipeline.rl.losses import policy_loss  # noqa: E402
@@ -60,16 +61,9 @@ def trl_loss_ratio(policy, samples: list[Sample]) -> str:
     from collections import defaultdict
 
     chunk = [s for s in samples if s.response_ids][:8]
-    width_p = max(len(s.prompt_ids) for s in chunk)
-    width_r = max(len(s.response_ids) for s in chunk)
-    pad = policy.tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (width_p - len(s.prompt_ids)) + list(s.prompt_ids) for s in chunk])
-    prompt_mask = torch.tensor([[0] * (width_p - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in chunk])
-    completion_ids = torch.tensor([list(s.response_ids) + [pad] * (width_r - len(s.response_ids)) for s in chunk])
-    completion_mask = torch.tensor([[1] * len(s.response_ids) + [0] * (width_r - len(s.response_ids))
-                                    for s in chunk])
-    old = torch.tensor([list(s.behaviour_logprobs) + [0.0] * (width_r - len(s.response_ids)) for s in chunk])
-    advantages = torch.tensor([s.advantage for s in chunk])
+    inputs = trl_inputs(chunk, policy.tokenizer.pad_token_id)
+    width_r = inputs["completion_ids"].shape[1]
+    old, advantages, completion_mask = inputs["old_per_token_logps"], inputs["advantages"], inputs["completion_mask"]
     with torch.no_grad():
         logps = policy.token_logprobs([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], 1.0)
         ours = torch.zeros(len(chunk), width_r)
@@ -82,8 +76,10 @@ def trl_loss_ratio(policy, samples: list[Sample]) -> str:
         loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, top_entropy_quantile=1.0,
         aux_loss_enabled=False, off_policy_mask_threshold=None, importance_sampling_level="token",
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False), model=policy.model,
-        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
-        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x), use_vllm=False,
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)), use_vllm=False,
+        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                          reduce=lambda x, **_: x),
         temperature=1.0,
     )
     stand_in._get_per_token_logps_and_entropies = (
@@ -91,10 +87,7 @@ def trl_loss_ratio(policy, samples: list[Sample]) -> str:
     policy.model.eval()
     try:
         with torch.no_grad():
-            trl_loss = GRPOTrainer._compute_loss(stand_in, policy.model, {
-                "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
-            })
+            trl_loss = GRPOTrainer._compute_loss(stand_in, policy.model, inputs)
     except Exception as exc:  # noqa: BLE001 - TRL's internals moved; say so instead of failing the benchmark
         return f"unavailable (TRL {exc.__class__.__name__}: {exc})"
     return f"{our_loss / float(trl_loss):.6f}"
