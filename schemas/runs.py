@@ -59,3 +59,15 @@ class StopRequested(Event):
     kind: Literal["StopRequested"] = "StopRequested"
     schema_version: Literal[1] = 1
     reason: str = Field(min_length=1, description="Why the run is being stopped.")
+
+
+class RunResumed(Event):
+    """`crl run --resume` continues the run: a `StopRequested` before this on `crl.control` no longer stops it, and
+    the run's next `RunFinished` is that of this attempt."""
+
+    kind: Literal["RunResumed"] = "RunResumed"
+    schema_version: Literal[1] = 1
+    attempt: int = Field(ge=1, description="1 for the first resume, 2 for the second, ...")
+    previous_status: Literal["stopped", "failed", "interrupted"] = Field(
+        description="How the previous attempt ended: stopped (RunFinished stopped), failed, or interrupted (no "
+        "RunFinished: a crash, a kill, a lost broker).")

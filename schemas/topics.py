@@ -19,7 +19,7 @@ from schemas.base import Event
 from schemas.dead_letters import DeadLetter
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
@@ -29,7 +29,7 @@ WEEK_MS = 7 * 24 * 3600 * 1000
 
 # One discriminated union and one TypeAdapter per topic.
 RunEvent = Annotated[RunStarted | RunFinished, Field(discriminator="kind")]
-ControlEvent = Annotated[MergeRequested | StopRequested, Field(discriminator="kind")]
+ControlEvent = Annotated[MergeRequested | StopRequested | RunResumed, Field(discriminator="kind")]
 TaskEvent = EpisodeAssigned
 TrajectoryEvent = TrajectoryCompleted
 ExtractionEvent = ExtractionGenerated
@@ -86,11 +86,11 @@ RUNS = Topic(
 CONTROL = Topic(
     name="crl.control",
     partitions=1,
-    events=(MergeRequested, StopRequested),
+    events=(MergeRequested, StopRequested, RunResumed),
     adapter=CONTROL_EVENTS,
     key=lambda e: e.run_id,
     retention_ms=FOREVER,
-    description="Requests from the scheduler to every worker: merge the bank, stop.",
+    description="Requests to the run's workers: merge the bank, stop, resume (`crl run --resume`).",
 )
 TASKS = Topic(
     name="crl.tasks",

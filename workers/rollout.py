@@ -33,6 +33,7 @@ from collections import deque
 
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.metrics import episode_metrics, summary_line
+from pipeline.actor.schedule import trajectory_event_id
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
@@ -108,7 +109,8 @@ class Rollout(Worker):
         if self.player.active:
             finished = self.player.play_turn()
             for trajectory in finished:
-                io.publish(trajectory)
+                io.publish(trajectory.model_copy(update={
+                    "event_id": trajectory_event_id(trajectory.assignment_event_id)}))
             if finished:
                 io.commit()
                 self._log_metrics(finished)

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pipeline.actor.metrics import episode_metrics, summary_line
-from pipeline.actor.schedule import scheduled_id
+from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.envs.registry import env_spec
 from pipeline.provenance import code_version, resolved_config
 from pipeline.runtime.context import WorkerContext
@@ -39,7 +39,7 @@ from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import OffsetStore
 from schemas.base import Event, Producer
-from schemas.runs import MergeRequested, RunFinished, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import CONTROL, POLICY, RUNS, TASKS, TRAJECTORIES
 from schemas.training import PolicyPublished
@@ -78,6 +78,10 @@ class Scheduler(Worker):
         """Ids of what this run's scheduler already published (read back at start, then added as it publishes)."""
         self.next_step = 0
         self.run_finished = False
+        self.attempt = 0
+        """How many times the run was resumed (`RunResumed` on crl.control, counted at start)."""
+        self.resumes_seen = 0
+        """`RunResumed` events handled so far: a `StopRequested` is in force only after the last of them."""
         self._last_wait_log = 0.0
 
     @classmethod
@@ -94,9 +98,11 @@ class Scheduler(Worker):
     # -- the schedule ---------------------------------------------------------------------------------------------
 
     def start(self, io: WorkerIO) -> None:
-        self.on_log = {e.event_id for topic in (RUNS, TASKS, CONTROL) for e in events_to_end(self.log, topic)
-                       if e.run_id == self.run_id}
-        if scheduled_id(self.run_id, "finished") in self.on_log:
+        ours = [e for topic in (RUNS, TASKS, CONTROL) for e in events_to_end(self.log, topic)
+                if e.run_id == self.run_id]
+        self.on_log = {e.event_id for e in ours}
+        self.attempt = sum(1 for e in ours if isinstance(e, RunResumed))
+        if self._finished_id() in self.on_log:
             log.info("run %s already finished; nothing to schedule", self.run_id)
             self.run_finished = True
             return
@@ -114,7 +120,10 @@ class Scheduler(Worker):
             self.extractor_version = max(self.extractor_version, event.version)
         elif isinstance(event, TrajectoryCompleted):
             self.finished.setdefault(uuid.UUID(event.assignment_event_id), event)
-        elif isinstance(event, StopRequested):
+        elif isinstance(event, RunResumed):
+            self.resumes_seen += 1
+            self.stop_request = None  # a stop before a resume ended the previous attempt, not this one
+        elif isinstance(event, StopRequested) and self.resumes_seen >= self.attempt:
             self.stop_request = event
         return []
 
@@ -198,6 +207,9 @@ class Scheduler(Worker):
                 self.on_log.add(event.event_id)
         io.commit()
 
+    def _finished_id(self) -> uuid.UUID:
+        return finished_id(self.run_id, self.attempt)
+
     def _finish(self, io: WorkerIO, status: str, steps_completed: int) -> None:
         """`RunFinished`. Only a `StopRequested` stops the run early: a signal stops this process, and a restarted
         scheduler carries on with the same schedule."""
@@ -205,7 +217,7 @@ class Scheduler(Worker):
         metrics = {**episode_metrics(train, "train"), **self.last_eval}
         reason = self.stop_request.reason if status == "stopped" and self.stop_request is not None else None
         self.run_finished = True
-        io.publish(RunFinished(event_id=scheduled_id(self.run_id, "finished"), run_id=self.run_id,
+        io.publish(RunFinished(event_id=self._finished_id(), run_id=self.run_id,
                                producer=self.producer, status=status, steps_completed=steps_completed,
                                reason=reason, metrics=metrics))
         io.commit()

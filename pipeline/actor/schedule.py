@@ -30,6 +30,18 @@ def scheduled_id(run_id: str, *parts: object) -> uuid.UUID:
     return uuid.uuid5(_NAMESPACE, "/".join([run_id, *map(str, parts)]))
 
 
+def trajectory_event_id(assignment_event_id: str) -> uuid.UUID:
+    """The `TrajectoryCompleted` id of an assignment's episode. An assignment re-delivered after a stop (its offset
+    was held back while other episodes were in flight) is played again and published under the same id, so every
+    reader keeps the first one on the log and counts it once."""
+    return uuid.uuid5(_NAMESPACE, f"trajectory/{assignment_event_id}")
+
+
+def finished_id(run_id: str, attempt: int) -> uuid.UUID:
+    """The `RunFinished` id of a run's attempt: 0 for the first, then one per `crl run --resume` (`RunResumed`)."""
+    return scheduled_id(run_id, "finished" if attempt == 0 else f"finished-{attempt}")
+
+
 @dataclass(frozen=True)
 class Schedule:
     scheduler: SchedulerSettings

@@ -15,6 +15,7 @@ from pipeline.cli.common import (
     State,
     configure_logging,
     console,
+    fail,
 )
 from pipeline.settings import Settings
 
@@ -27,7 +28,11 @@ class ArmChoice(str, Enum):
 
 
 def run(
-    config: Annotated[Path, typer.Argument(help="Run config (YAML), e.g. configs/tiny-minihack-room.yaml.")],
+    config: Annotated[Path | None, typer.Argument(
+        help="Run config (YAML), e.g. configs/tiny-minihack-room.yaml (none with --resume).")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        "--resume", help="Continue the run in this run directory (stopped, failed or crashed), with its settings.",
+        metavar="RUN_DIR")] = None,
     run_dir: RunDirOption = None,
     steps: Annotated[int | None, typer.Option(help="Override scheduler.steps (e.g. 3 for a smoke run).")] = None,
     arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
@@ -37,8 +42,18 @@ def run(
     """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
 
     from pipeline.run.plan import check_run_dir, default_run_dir
-    from pipeline.run.supervisor import RunSupervisor
+    from pipeline.run.supervisor import RUN_CONFIG
 
+    if resume is not None:
+        if config is not None or steps is not None or arm is not None or broker_kind is not None or run_dir:
+            raise fail("--resume continues a run with its own settings (RUN_DIR/config.yaml): give no CONFIG, "
+                       "--steps, --arm, --broker or --run-dir with it", 2)
+        if not (resume / RUN_CONFIG).is_file():
+            raise fail(f"{resume} holds no {RUN_CONFIG}: not a run directory that `crl run` made", 2)
+        _supervise(Settings(config=resume / RUN_CONFIG, run_dir=resume), report, resume=True)
+        return
+    if config is None:
+        raise fail("give a run config (e.g. configs/tiny-minihack-room.yaml), or --resume RUN_DIR", 2)
     scheduler = {"steps": steps} if steps is not None else {}
     if arm is not None:
         scheduler["arm"] = arm.value
@@ -52,10 +67,16 @@ def run(
     settings = Settings(config=config, **overrides)
     check_run_dir(settings.run_dir)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
+    _supervise(settings, report, resume=False)
+
+
+def _supervise(settings: Settings, report: bool, resume: bool) -> None:
+    from pipeline.run.supervisor import RunSupervisor
+
     configure_logging(State.log_level, settings.run_dir / "logs" / "crl-run.log")
     console.print(f"run {settings.resolved_run_id}: arm {settings.scheduler.arm}, {settings.scheduler.steps} steps, "
                   f"{', '.join(t.env_id for t in settings.envs.tasks)}; run dir {settings.run_dir}")
-    supervisor = RunSupervisor(settings, console)
+    supervisor = RunSupervisor(settings, console, resume=resume)
     progress = supervisor.run()
     finished = progress.finished
     status = finished.status if finished is not None else "interrupted"
@@ -79,4 +100,5 @@ def run(
                  f"crl report {settings.run_dir} runs/OTHER --out runs/compare"):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     if status != "completed":
+        console.print(supervisor.resume_hint(), highlight=False, soft_wrap=True)
         raise typer.Exit(130 if status == "interrupted" or supervisor.interrupts else 1)

@@ -9,6 +9,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from pipeline.actor.schedule import finished_id
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.runtime.log import FollowedView, KafkaLog
 from pipeline.runtime.transport import Record
@@ -28,6 +29,8 @@ class RunProgress:
     """Everything the live view shows, from the records of every topic (read from offset 0)."""
 
     run_id: str
+    attempt: int = 0
+    """Which attempt this is (`crl run --resume` counts up): only its own `RunFinished` ends the view."""
     started: RunStarted | None = None
     finished: RunFinished | None = None
     step_issued: int = -1
@@ -48,7 +51,7 @@ class RunProgress:
             return
         if isinstance(event, RunStarted):
             self.started = event
-        elif isinstance(event, RunFinished):
+        elif isinstance(event, RunFinished) and event.event_id == finished_id(self.run_id, self.attempt):
             self.finished = event
         elif isinstance(event, EpisodeAssigned):
             self.step_issued = max(self.step_issued, event.step)

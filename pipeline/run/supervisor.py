@@ -26,6 +26,14 @@ What it does, in order:
 Ctrl-C asks the scheduler to stop (`StopRequested`), then drains and stops as above, so everything that was
 recorded is archived; a second Ctrl-C stops the workers without waiting for the drain (each still flushes and
 commits what it has).
+
+`crl run --resume RUN_DIR` continues a run that was stopped (Ctrl-C), failed, or died (a crash, a kill) on a log
+that outlived it: the embedded Apache Kafka, restarted on `RUN_DIR/kafka` (same topics, ids and offsets), or the
+external Kafka of `CRL_KAFKA__BOOTSTRAP_SERVERS`. It reads the run's settings from `RUN_DIR/config.yaml`, publishes
+`RunResumed` on `crl.control` (a stop before it no longer stops the run), and starts the workers, which carry on
+from their positions and checkpoints; the scheduler issues only what is missing. A run on the embedded Tansu
+(memory only) lost its log with its broker: that is refused with the reason (restoring a log from the archive is
+not built yet).
 """
 
 from __future__ import annotations
@@ -46,20 +54,24 @@ from rich.console import Group
 from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
 from infra.kafka import make_admin, make_producer
+from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.errors import RunFailedError
 from pipeline.run.plan import planned_kinds, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
 from pipeline.run.view import live_view, numbers, summary_line
 from pipeline.runtime.launch import load_worker_registry
+from pipeline.runtime.log import KafkaLog, events_to_end
 from pipeline.settings import Settings
 from schemas.base import Producer
 from schemas.codec import encode
-from schemas.runs import StopRequested
-from schemas.topics import CONTROL
+from schemas.runs import RunFinished, RunResumed, StopRequested
+from schemas.topics import CONTROL, RUNS
 
 RUN_CONFIG = "config.yaml"
 """The run's resolved settings in its run directory, read by every worker process of the run."""
+LAUNCH_FILE = "launch.json"
+"""How the run was launched: which embedded broker it started (none: an external Kafka), for `--resume`."""
 QUIET_S = 3.0
 """A drained run has published nothing for at least this long."""
 
@@ -67,7 +79,8 @@ QUIET_S = 3.0
 class RunSupervisor:
     """Starts the broker and the workers of one run, watches them, and stops everything in order."""
 
-    def __init__(self, settings: Settings, console) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings: Settings, console, resume: bool = False) -> None:  # type: ignore[no-untyped-def]
+        self.resume = resume
         self.settings = settings
         self.console = console
         self.run_dir = settings.run_dir
@@ -82,6 +95,8 @@ class RunSupervisor:
         self.interrupts = 0
         self.started = time.monotonic()
         self.stop_sent = False
+        self.broker_lost = False
+        """The embedded broker died: the workers cannot drain into it, so they get seconds, not a minute, to stop."""
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -91,6 +106,8 @@ class RunSupervisor:
         try:
             self._start_broker()
             self._write_run_config()
+            if self.resume:
+                self._announce_resume()
             self.follower = LogFollower(self.settings, self.progress).start()
             for worker in self.workers:
                 self._spawn(worker)
@@ -112,6 +129,19 @@ class RunSupervisor:
         self.interrupts += 1
 
     def _start_broker(self) -> None:
+        launch = self.run_dir / LAUNCH_FILE
+        if self.resume:
+            embedded = json.loads(launch.read_text())["embedded_broker"]
+            if embedded == "tansu":
+                raise RunFailedError(
+                    f"run {self.run_id} kept its log in the embedded Tansu broker, which holds records in memory only; "
+                    "the log ended with that broker, so there is nothing to resume from (restoring a log from the "
+                    "archive is not built yet). Runs that must survive a stop or a crash use --broker kafka (its "
+                    "log lives in RUN_DIR/kafka) or an external Kafka (CRL_KAFKA__BOOTSTRAP_SERVERS).")
+            if embedded is not None:
+                self.settings = self.settings.model_copy(update={
+                    "broker": self.settings.broker.model_copy(update={"kind": embedded}),
+                    "kafka": self.settings.kafka.model_copy(update={"bootstrap_servers": None})})
         if not self.settings.kafka.bootstrap_servers:
             self.broker = embedded_broker(self.settings.broker, data_dir=self.run_dir / "kafka",
                                           log_path=self.run_dir / "logs" / "broker.log")
@@ -121,11 +151,43 @@ class RunSupervisor:
                                f"(started in {self.broker.start_seconds:.1f}s)", highlight=False)
             self.settings = self.settings.with_bootstrap(self.broker.bootstrap_servers)
             write_broker_file(self.run_dir, self.broker.bootstrap_servers, self.broker.pid, self.broker.kind)
+        if not self.resume:
+            launch.write_text(json.dumps({"embedded_broker": self.broker.kind if self.broker is not None else None}))
         admin = make_admin(self.settings.kafka, client_id="crl-run")
         try:
             create_topics(admin)
         finally:
             admin.close()
+
+    def _announce_resume(self) -> None:
+        """Publish `RunResumed` for the next attempt, after reading how the previous one ended."""
+        log_ = KafkaLog(self.settings.kafka, client_id="crl-run")
+        ours = [e for topic in (RUNS, CONTROL) for e in events_to_end(log_, topic) if e.run_id == self.run_id]
+        attempt = sum(1 for e in ours if isinstance(e, RunResumed))
+        last = finished_id(self.run_id, attempt)
+        ended = next((e for e in ours if isinstance(e, RunFinished) and e.event_id == last), None)
+        if ended is not None and ended.status == "completed":
+            raise RunFailedError(f"run {self.run_id} completed already ({ended.steps_completed} steps); "
+                                 "nothing to resume")
+        previous = ended.status if ended is not None else "interrupted"
+        event = RunResumed(event_id=scheduled_id(self.run_id, f"resumed-{attempt + 1}"), run_id=self.run_id,
+                           producer=Producer(worker="crl-run", instance=f"crl-run-{os.getpid()}"),
+                           attempt=attempt + 1, previous_status=previous)
+        producer = make_producer(self.settings.kafka, client_id="crl-run")
+        try:
+            producer.send(CONTROL.name, key=CONTROL.key_bytes(event), value=encode(event))
+            producer.flush()
+        finally:
+            producer.close()
+        self.progress.attempt = attempt + 1
+        self.console.print(f"resuming run {self.run_id} (attempt {attempt + 1}; the previous one {previous})")
+
+    def resume_hint(self) -> str:
+        """How to continue this run, or why it cannot be."""
+        if self.broker is not None and self.broker.kind == "tansu":
+            return ("Its log was in the embedded Tansu (memory only) and ended with it, so it cannot be resumed; "
+                    "use --broker kafka for runs that must survive a stop or a crash.")
+        return f"Continue it with: crl run --resume {self.run_dir}"
 
     @property
     def run_config(self) -> Path:
@@ -192,7 +254,9 @@ class RunSupervisor:
                 if self.follower is not None and self.follower.failure is not None:
                     raise RunFailedError(f"reading the log failed: {self.follower.failure}")
                 if self.broker is not None and not self.broker.is_running():
-                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
+                    self.broker_lost = True
+                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}. "
+                                         + self.resume_hint())
                 if self.interrupts == 1 and not self.stop_sent:
                     self._request_stop("interrupted (Ctrl-C)")
                 if self.interrupts >= 2:
@@ -266,10 +330,11 @@ class RunSupervisor:
             for worker in group:
                 worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             for worker in group:
+                wait_s = 5 if self.broker_lost else 60  # nothing to flush to without a broker; positions stay put
                 try:
-                    worker.process.wait(timeout=60)  # type: ignore[union-attr]
+                    worker.process.wait(timeout=wait_s)  # type: ignore[union-attr]
                 except subprocess.TimeoutExpired:
-                    self.console.print(f"[red]{worker.instance} did not stop in 60s; killed[/red]")
+                    self.console.print(f"[red]{worker.instance} did not stop in {wait_s}s; killed[/red]")
                     worker.process.kill()  # type: ignore[union-attr]
                     worker.process.wait()  # type: ignore[union-attr]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from harness_setup import RUN, settings_for
 
+from pipeline.actor.schedule import finished_id
 from pipeline.runtime.harness import build_worker, run_worker
 from schemas.base import Producer
 from schemas.examples import example_events
-from schemas.runs import RunFinished, RunStarted
+from schemas.runs import RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
@@ -52,3 +53,24 @@ def test_the_scheduler_issues_steps_as_versions_come_and_closes_the_run(tmp_path
     finished = [e for e in third.outputs if isinstance(e, RunFinished)]
     assert [(e.status, e.steps_completed) for e in finished] == [("completed", 2)]
     assert worker.done and third.runner.stop_reason == "finished"
+
+
+def test_a_resumed_run_ignores_the_stop_before_its_resume_and_closes_under_a_new_id(tmp_path):
+    settings = settings_for(tmp_path, scheduler={"arm": "grpo", "steps": 1, "eval_every": 0, "max_steps_ahead": 0})
+    worker, context = build_worker(Scheduler, settings)
+    first = run_worker(worker, [_actor(0)], context=context)
+    step0 = [e for e in first.outputs if isinstance(e, EpisodeAssigned)]
+    stop = StopRequested(run_id=RUN, producer=WHO, reason="interrupted (Ctrl-C)")
+    worker, context = build_worker(Scheduler, settings, log=first.outputs)
+    stopped = run_worker(worker, [_actor(0), stop], context=context)
+    [ended] = [e for e in stopped.outputs if isinstance(e, RunFinished)]
+    assert ended.status == "stopped" and ended.event_id == finished_id(RUN, 0)
+
+    # `crl run --resume`: RunResumed follows the stop on crl.control; the stop no longer ends the run.
+    resumed = RunResumed(run_id=RUN, producer=WHO, attempt=1, previous_status="stopped")
+    log = [*first.outputs, *stopped.outputs, resumed]
+    worker, context = build_worker(Scheduler, settings, log=log)
+    again = run_worker(worker, [_actor(0), stop, resumed, *_played(step0)], context=context)
+    [ended] = [e for e in again.outputs if isinstance(e, RunFinished)]
+    assert (ended.status, ended.steps_completed, ended.event_id) == ("completed", 1, finished_id(RUN, 1))
+    assert not any(isinstance(e, EpisodeAssigned) for e in again.outputs)  # step 0 was issued before the stop

@@ -85,7 +85,7 @@ def test_every_kind_is_carried_by_exactly_one_topic() -> None:
 def test_kinds_per_topic() -> None:
     assert {topic.name: topic.kinds for topic in TOPICS} == {
         "crl.runs": ("RunStarted", "RunFinished"),
-        "crl.control": ("MergeRequested", "StopRequested"),
+        "crl.control": ("MergeRequested", "StopRequested", "RunResumed"),
         "crl.tasks": ("EpisodeAssigned",),
         "crl.trajectories": ("TrajectoryCompleted",),
         "crl.extractions": ("ExtractionGenerated",),
