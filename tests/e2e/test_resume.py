@@ -27,8 +27,8 @@ STEPS = 3
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1", "CRL_SCHEDULER__EVAL_EVERY": "0",
-                **extra})
+    env.update({"HF_HUB_OFFLINE": "1", "COLUMNS": "400", "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1",
+                "CRL_SCHEDULER__EVAL_EVERY": "0", **extra})
     return env
 
 
@@ -124,7 +124,8 @@ def test_a_run_whose_broker_was_killed_stops_naming_resume_and_resumes(kafka_jar
     os.kill(json.loads((run_dir / "broker.json").read_text())["pid"], signal.SIGKILL)
     output, _ = process.communicate(timeout=300)
     assert process.returncode != 0, output[-4000:]
-    assert "the broker exited" in output and f"crl run --resume {run_dir}" in output
+    flat = " ".join(output.split())
+    assert "the broker exited" in flat and f"crl run --resume {run_dir}" in flat, flat[-3000:]
     _resume(run_dir)
     _check_the_whole_run(run_dir, "interrupted")
 
