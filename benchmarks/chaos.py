@@ -1,14 +1,15 @@
-"""Kill workers at random points of short `crl run`s and check that nothing was lost or doubled (issue 16's chaos
-benchmark, worker kills; broker kills need `crl run --resume`, which is not built yet).
+"""Kill workers and the broker at random points of short `crl run`s and check that nothing was lost or doubled
+(issue 16's chaos benchmark).
 
     python benchmarks/chaos.py --quick               # 3 runs
     python benchmarks/chaos.py --runs 20 --seed 7    # what the README quotes
 
 Each run is a real `crl run configs/tiny-minihack-room.yaml --steps N --broker kafka` (the embedded Apache Kafka,
 whose log stays in the run directory, so the bank can be replayed from Kafka afterwards). A seeded schedule SIGKILLs
-one to three workers of any kind (scheduler, rollout, extractor, bank, either trainer, archiver) at random moments;
-`crl run` restarts a worker that dies before the run is over. After each run, from the archive, the SQL store, the
-checkpoints and the Kafka log:
+one to three workers of any kind (scheduler, rollout, extractor, bank, either trainer, archiver) or the broker at
+random moments; `crl run` restarts a worker that dies before the run is over, and a run whose broker was killed
+stops and is continued with `crl run --resume`. After each run, from the archive, the SQL store, the checkpoints and
+the Kafka log:
 
 - every `EpisodeAssigned` has exactly one trajectory (re-deliveries of the same event id count once);
 - actor and extractor versions are 0..N, each published by one event, with no gap;
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CONFIG = ROOT / "configs" / "tiny-minihack-room.yaml"
-KINDS = ("scheduler", "rollout", "extractor", "bank", "actor_trainer", "extractor_trainer", "archiver")
+KINDS = ("scheduler", "rollout", "extractor", "bank", "actor_trainer", "extractor_trainer", "archiver", "broker")
 
 
 @dataclass
@@ -61,11 +62,13 @@ class Outcome:
         return [f"{name}: {problem}" for name, problem in self.checks.items() if problem]
 
 
-def schedule(rng: random.Random, horizon_s: float) -> list[Kill]:
-    """One to three kills of random kinds at random moments within the run's expected length."""
-    count = rng.randint(1, 3)
-    return sorted((Kill(round(rng.uniform(8.0, horizon_s), 1), rng.choice(KINDS)) for _ in range(count)),
-                  key=lambda kill: kill.at_s)
+def schedule(rng: random.Random, horizon_s: float, kinds: tuple[str, ...] = KINDS) -> list[Kill]:
+    """One to three kills of random kinds at random moments within the run's expected length; the broker at most
+    once, last (the run stops with it)."""
+    kills = sorted((Kill(round(rng.uniform(8.0, horizon_s), 1), rng.choice(kinds)) for _ in range(rng.randint(1, 3))),
+                   key=lambda kill: kill.at_s)
+    broker = [kill for kill in kills if kill.kind == "broker"]
+    return [kill for kill in kills if kill.kind != "broker"] + broker[-1:]
 
 
 def kill_on_schedule(run_dir: Path, process: subprocess.Popen, kills: list[Kill], started: float) -> None:
@@ -75,7 +78,10 @@ def kill_on_schedule(run_dir: Path, process: subprocess.Popen, kills: list[Kill]
                 return
             time.sleep(0.1)
         try:
-            table = json.loads((run_dir / "workers.json").read_text())
+            if kill.kind == "broker":
+                table = {"broker": {"kind": "broker", "pid": json.loads((run_dir / "broker.json").read_text())["pid"]}}
+            else:
+                table = json.loads((run_dir / "workers.json").read_text())
         except (OSError, ValueError):
             kill.done = "no worker table yet"
             continue
@@ -110,6 +116,13 @@ def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s:
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=120)
     killer.join(timeout=5)
+    if code != 0 and any(kill.kind == "broker" and kill.done.startswith("SIGKILL") for kill in kills):
+        resumed = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--resume", str(run_dir),
+                                  "--no-report"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 timeout=timeout_s)
+        kills.append(Kill(round(time.monotonic() - started, 1), "resume",
+                          f"crl run --resume exited {resumed.returncode}"))
+        code = resumed.returncode
     log.close()
     return Outcome(kills, code, time.monotonic() - started)
 
@@ -208,6 +221,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="A run still going after this is stopped.")
     parser.add_argument("--out", type=Path, default=None, help="Directory for the runs (default runs/chaos-*).")
     parser.add_argument("--quick", action="store_true", help="3 runs.")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="What may be killed.")
     args = parser.parse_args()
     if args.quick:
         args.runs = 3
@@ -216,7 +230,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     outcomes = []
     for index in range(args.runs):
-        kills = schedule(rng, args.horizon)
+        kills = schedule(rng, args.horizon, tuple(args.kinds))
         run_dir = out / f"run-{index:02d}"
         outcome = run_once(run_dir, args.steps, args.seed * 1000 + index, kills, args.timeout)
         check(run_dir, outcome)
@@ -231,6 +245,7 @@ def main() -> None:
     print(f"kills={kills}")
     by_kind = {kind: sum(1 for outcome in outcomes for kill in outcome.kills
                          if kill.kind == kind and kill.done.startswith("SIGKILL")) for kind in KINDS}
+    print(f"resumes={sum(1 for outcome in outcomes for kill in outcome.kills if kill.kind == 'resume')}")
     print(f"kills_by_kind={json.dumps(by_kind)}")
     print(f"violations={violations}")
     print(f"# runs in {out}")
