@@ -11,10 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from run_helpers import wait_for_log
 
 from pipeline.audit.views import Audit
 
@@ -36,19 +36,6 @@ def _start(run_dir: Path, broker: str = "kafka", **extra: str) -> subprocess.Pop
     return subprocess.Popen([*CRL, "run", "configs/tiny-minihack-room.yaml", "--steps", str(STEPS), "--broker",
                              broker, "--run-dir", str(run_dir), "--no-report"], cwd=ROOT, env=_env(**extra),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for_log(run_dir: Path, instance: str, text: str, process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    log = run_dir / "logs" / f"{instance}.log"
-    while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text():
-            return
-        if process.poll() is not None:
-            pytest.fail(f"crl run exited {process.returncode} early:\n{process.stdout.read()[-3000:]}")  # type: ignore[union-attr]
-        time.sleep(0.5)
-    process.kill()
-    pytest.fail(f"{instance} never logged {text!r} in {timeout}s")
 
 
 def _resume(run_dir: Path) -> str:
@@ -94,7 +81,7 @@ def _check_the_whole_run(run_dir: Path, *previous_status: str) -> None:
 def test_a_run_stopped_with_ctrl_c_resumes_and_completes_every_step_once(kafka_jars, tmp_path):
     run_dir = tmp_path / "stopped"
     process = _start(run_dir)
-    _wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
+    wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output[-4000:]
@@ -107,7 +94,7 @@ def test_a_run_stopped_with_ctrl_c_resumes_and_completes_every_step_once(kafka_j
 def test_a_run_failed_by_a_crashing_worker_resumes_and_completes(kafka_jars, tmp_path):
     run_dir = tmp_path / "crashed"
     process = _start(run_dir, CRL_LAUNCH__MAX_RESTARTS="0")  # the first crash fails the run
-    _wait_for_log(run_dir, "rollout-0", "rollout metrics over", process, 600)  # mid-run, episodes in flight
+    wait_for_log(run_dir, "rollout-0", "rollout metrics over", process, 600)  # mid-run, episodes in flight
     os.kill(json.loads((run_dir / "workers.json").read_text())["rollout-0"]["pid"], signal.SIGKILL)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 1, output[-4000:]
@@ -120,7 +107,7 @@ def test_a_run_failed_by_a_crashing_worker_resumes_and_completes(kafka_jars, tmp
 def test_a_run_whose_broker_was_killed_stops_naming_resume_and_resumes(kafka_jars, tmp_path):
     run_dir = tmp_path / "lost-broker"
     process = _start(run_dir)
-    _wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
+    wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
     os.kill(json.loads((run_dir / "broker.json").read_text())["pid"], signal.SIGKILL)
     output, _ = process.communicate(timeout=300)
     assert process.returncode != 0, output[-4000:]

@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from run_helpers import wait_for_log
 
 from pipeline.audit.views import Audit
 
@@ -28,19 +28,6 @@ def _start(run_dir: Path, steps: int, **extra: str) -> subprocess.Popen[str]:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for_log(run_dir: Path, instance: str, text: str, process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    log = run_dir / "logs" / f"{instance}.log"
-    while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text():
-            return
-        if process.poll() is not None:
-            pytest.fail(f"crl run exited {process.returncode} early:\n{process.stdout.read()[-3000:]}")  # type: ignore[union-attr]
-        time.sleep(0.5)
-    process.kill()
-    pytest.fail(f"{instance} never logged {text!r} in {timeout}s")
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,7 +39,7 @@ def _alive(pid: int) -> bool:
 def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
     run_dir = tmp_path / "run"
     process = _start(run_dir, steps=3)
-    _wait_for_log(run_dir, "rollout-0", "rollout metrics over", process, 300)  # mid-run, episodes in flight
+    wait_for_log(run_dir, "rollout-0", "rollout metrics over", process, 300)  # mid-run, episodes in flight
     pid = json.loads((run_dir / "workers.json").read_text())["rollout-0"]["pid"]
     os.kill(pid, signal.SIGKILL)
     output, _ = process.communicate(timeout=600)
@@ -71,7 +58,7 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
 def test_ctrl_c_stops_the_run_and_archives_everything_recorded(tmp_path):
     run_dir = tmp_path / "run"
     process = _start(run_dir, steps=20)
-    _wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 300)
+    wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 300)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output[-4000:]
