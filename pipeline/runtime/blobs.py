@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 from pipeline.errors import HashMismatchError, InvalidArgumentError
@@ -24,7 +25,9 @@ class BlobStore:
         path = self.root / digest[:2] / digest
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{digest}.{os.getpid()}.tmp")
+            # A name of its own per writer (process and thread): two workers storing the same bytes at once (the
+            # archiver and the bank dead-lettering one large record) must not write or rename each other's file.
+            temporary = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
             temporary.write_bytes(data)
             fsync_file(temporary)
             os.replace(temporary, path)
