@@ -104,7 +104,7 @@ def test_extractor_trainer_credits_generations_and_rebuilds_its_join_after_resta
         trainer = _start("extractor_trainer", env, log)
         time.sleep(5)
         assert len(_published(kafka, "extractor")[1]) == 1
-        more = synthetic_trajectories(extractor.policy, run_id=f"{tmp_path.name}-more", step=2, groups=4,
+        more = synthetic_trajectories(extractor.policy, run_id=tmp_path.name, step=2, groups=4,
                                       group_size=2, seed=6, served_generations=[served[0], served[1],
                                                                                 generations[4].generation_id,
                                                                                 generations[5].generation_id])
