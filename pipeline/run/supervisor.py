@@ -131,6 +131,9 @@ class RunSupervisor:
     def _start_broker(self) -> None:
         launch = self.run_dir / LAUNCH_FILE
         if self.resume:
+            if not launch.is_file():
+                raise RunFailedError(f"{self.run_dir} has no {LAUNCH_FILE}: the run was started by a `crl run` that "
+                                     "did not record which broker it used, so it cannot be resumed")
             embedded = json.loads(launch.read_text())["embedded_broker"]
             if embedded == "tansu":
                 raise RunFailedError(
