@@ -247,6 +247,29 @@ extractor_batches = Table(
 """The ExtractionGenerated events of every extractor training step (TrainStepCompleted with role extractor).
 `experiences.trainings` counts the steps whose batch holds a generation that wrote one of the experience's versions."""
 
+# --- consumer-group commits (migration 0004; written by `pipeline.runtime.group_commits`) -----------------------------
+group_commits = Table(
+    "group_commits",
+    metadata,
+    Column("id", Integer, nullable=False, autoincrement=True),
+    Column("group_id", String(255), nullable=False),
+    Column("instance", String(255), nullable=False),
+    Column("topic", String(255), nullable=False),
+    Column("partition", Integer, nullable=False),
+    # The committed offset: the next record the group reads on that partition.
+    Column("next_offset", BigInteger, nullable=False),
+    Column("log_id", String(64), nullable=False),
+    # JSON {"topic/partition": end}: one past the last record this instance had produced there, acknowledged before
+    # the commit. A commit is only as good as the outputs behind it: restored from a log that ends before them, it
+    # would skip inputs whose outputs are gone.
+    Column("produced_ends", Text, nullable=False),
+    Column("committed_at", DateTime(timezone=True), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_group_commits"),
+    Index("ix_group_commits_group_partition", "group_id", "topic", "partition"),
+)
+"""Every offset commit of a consumer-group worker (rollout, extractor), beside the one in Kafka: what `crl run
+--resume` needs to carry a group on after a memory-only broker lost its commits with its log."""
+
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """Build the Alembic config for `infra/migrations` in code; `connection`, if given, is what env.py migrates."""

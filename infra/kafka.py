@@ -75,6 +75,12 @@ class KafkaSettings(BaseModel):
     reconnect_backoff_max_ms: int = Field(default=1000, gt=0, description="Longest wait between reconnects.")
     delivery_timeout_ms: int = Field(
         default=120_000, gt=0, description="How long a producer keeps retrying a record before the send fails.")
+    # A log restored from the archive into a fresh broker (`crl run --resume` of a run on the memory-only Tansu) has
+    # the same records at the same offsets under new topic ids; the run's positions, archive, dead letters and bank
+    # count in the ids of the log they were written against, so the restored topics go by those.
+    log_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Topic id of this broker -> the id of the log it was restored from (set by `crl run --resume`).")
 
     @model_validator(mode="after")
     def _heartbeats_fit_the_session(self) -> KafkaSettings:

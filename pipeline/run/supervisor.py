@@ -27,13 +27,14 @@ Ctrl-C asks the scheduler to stop (`StopRequested`), then drains and stops as ab
 recorded is archived; a second Ctrl-C stops the workers without waiting for the drain (each still flushes and
 commits what it has).
 
-`crl run --resume RUN_DIR` continues a run that was stopped (Ctrl-C), failed, or died (a crash, a kill) on a log
-that outlived it: the embedded Apache Kafka, restarted on `RUN_DIR/kafka` (same topics, ids and offsets), or the
-external Kafka of `CRL_KAFKA__BOOTSTRAP_SERVERS`. It reads the run's settings from `RUN_DIR/config.yaml`, publishes
-`RunResumed` on `crl.control` (a stop before it no longer stops the run), and starts the workers, which carry on
-from their positions and checkpoints; the scheduler issues only what is missing. A run on the embedded Tansu
-(memory only) lost its log with its broker: that is refused with the reason (restoring a log from the archive is
-not built yet).
+`crl run --resume RUN_DIR` continues a run that was stopped (Ctrl-C), failed, or died (a crash, a kill). A log that
+outlived the run is used as it is: the embedded Apache Kafka, restarted on `RUN_DIR/kafka` (same topics, ids and
+offsets), or the external Kafka of `CRL_KAFKA__BOOTSTRAP_SERVERS`. The embedded Tansu keeps records in memory only,
+so its log ended with it: a fresh Tansu is started and the archive is restored into it (`pipeline.run.restore`: every
+archived record at its offset, the topic ids mapped to the old ones, the consumer groups' positions carried over).
+Then it reads the run's settings from `RUN_DIR/config.yaml`, publishes `RunResumed` on `crl.control` (a stop before
+it no longer stops the run), and starts the workers, which carry on from their positions and checkpoints; the
+scheduler issues only what is missing.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ from rich.console import Group
 
 from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
+from infra.db import database_url, make_engine, migrate
 from infra.kafka import make_admin, make_producer
 from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.errors import RunFailedError
 from pipeline.run.plan import planned_kinds, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
+from pipeline.run.restore import commit_group_positions, restore_log
 from pipeline.run.view import live_view, numbers, summary_line
 from pipeline.runtime.launch import load_worker_registry
 from pipeline.runtime.log import KafkaLog, events_to_end
@@ -135,12 +138,6 @@ class RunSupervisor:
                 raise RunFailedError(f"{self.run_dir} has no {LAUNCH_FILE}: the run was started by a `crl run` that "
                                      "did not record which broker it used, so it cannot be resumed")
             embedded = json.loads(launch.read_text())["embedded_broker"]
-            if embedded == "tansu":
-                raise RunFailedError(
-                    f"run {self.run_id} kept its log in the embedded Tansu broker, which holds records in memory only; "
-                    "the log ended with that broker, so there is nothing to resume from (restoring a log from the "
-                    "archive is not built yet). Runs that must survive a stop or a crash use --broker kafka (its "
-                    "log lives in RUN_DIR/kafka) or an external Kafka (CRL_KAFKA__BOOTSTRAP_SERVERS).")
             if embedded is not None:
                 self.settings = self.settings.model_copy(update={
                     "broker": self.settings.broker.model_copy(update={"kind": embedded}),
@@ -161,6 +158,31 @@ class RunSupervisor:
             create_topics(admin)
         finally:
             admin.close()
+        if self.resume and self.broker is not None and self.broker.kind == "tansu":
+            self._restore_log()
+
+    def _restore_log(self) -> None:
+        """Write the archived log into the fresh Tansu (same topics, partitions and offsets) and carry the run's
+        positions over to it (`pipeline.run.restore`)."""
+        engine = make_engine(database_url(self.settings.db, self.run_dir))
+        try:
+            migrate(engine)
+            with self.console.status("restoring the log from the archive"):
+                started = time.monotonic()
+                restored = restore_log(self.run_dir, self.settings.kafka, engine)
+            self.settings = self.settings.model_copy(update={
+                "kafka": self.settings.kafka.model_copy(update={"log_aliases": restored.aliases})})
+            commit_group_positions(self.settings.kafka, restored.group_positions)
+        finally:
+            engine.dispose()
+        notes = [f"{restored.from_dead_letters} from dead letters"] if restored.from_dead_letters else []
+        if restored.bank_rebuilt:
+            notes.append("the bank had read past the archive and rebuilds from offset 0")
+        if restored.snapshots_dropped:
+            notes.append(f"{restored.snapshots_dropped} bank snapshots past the archive removed")
+        self.console.print(f"restored {restored.records} records from the archive into the fresh broker in "
+                           f"{time.monotonic() - started:.1f}s" + (f" ({'; '.join(notes)})" if notes else ""),
+                           highlight=False)
 
     def _announce_resume(self) -> None:
         """Publish `RunResumed` for the next attempt, after reading how the previous one ended."""
@@ -186,10 +208,7 @@ class RunSupervisor:
         self.console.print(f"resuming run {self.run_id} (attempt {attempt + 1}; the previous one {previous})")
 
     def resume_hint(self) -> str:
-        """How to continue this run, or why it cannot be."""
-        if self.broker is not None and self.broker.kind == "tansu":
-            return ("Its log was in the embedded Tansu (memory only) and ended with it, so it cannot be resumed; "
-                    "use --broker kafka for runs that must survive a stop or a crash.")
+        """How to continue this run."""
         return f"Continue it with: crl run --resume {self.run_dir}"
 
     @property

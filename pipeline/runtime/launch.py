@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from infra.kafka import make_consumer, make_producer
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import RuntimeSettings, WorkerContext, resolve_kafka
+from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.log import KafkaLog
 from pipeline.runtime.runner import Limits, Worker, WorkerRunner
 from pipeline.runtime.transport import InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
@@ -55,19 +56,21 @@ def build_runner(
     context = WorkerContext(settings, instance, log, follows=worker_class.follows)
     worker = worker_class.build(context)
     input_log: InputLog | None = None
+    output_log = KafkaOutput(make_producer(kafka, client_id=instance))
     if worker_class.consumes:
         names = [topic.name for topic in worker_class.consumes]
         log_ids = {topic.name: log.log_id(topic) for topic in worker_class.consumes}
         if worker_class.consumption == "group":
-            input_log = KafkaGroupInput(make_consumer(kafka, group_id=f"crl-{worker_class.name}", client_id=instance),
-                                        names, log_ids)
+            group_id = f"crl-{worker_class.name}"
+            input_log = KafkaGroupInput(make_consumer(kafka, group_id=group_id, client_id=instance), names, log_ids,
+                                        GroupCommitLog(context.engine, group_id, instance, output_log.produced_ends))
         else:
             input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance, auto_offset_reset="none"),
                                            names, worker.offset_store(context), log_ids)
     return WorkerRunner(
         worker,
         input_log=input_log,
-        output_log=KafkaOutput(make_producer(kafka, client_id=instance)),
+        output_log=output_log,
         producer=Producer(worker=worker_class.name, instance=instance),
         run_id=settings.resolved_run_id,
         settings=settings.runner,

@@ -196,13 +196,15 @@ class KafkaLog:
         self._log_ids: dict[str, str] = {}
 
     def log_id(self, topic: Topic) -> str:
-        """The topic id of `topic`'s log (a new one at every creation of the topic)."""
+        """The topic id of `topic`'s log (a new one at every creation of the topic), or, for a log restored from the
+        archive, the id of the log it was restored from (`KafkaSettings.log_aliases`)."""
         if topic.name not in self._log_ids:
             admin = make_admin(self.kafka, client_id=self.client_id)
             try:
-                self._log_ids.update(topic_ids(admin, [topic.name]))
+                ids = topic_ids(admin, [topic.name])
             finally:
                 admin.close()
+            self._log_ids.update({name: self.kafka.log_aliases.get(id_, id_) for name, id_ in ids.items()})
         return self._log_ids[topic.name]
 
     def follow(self, topics: Sequence[Topic], on_record: OnRecord, *, start: Mapping[tuple[str, int], int] | None = None,

@@ -368,7 +368,7 @@ class WorkerRunner:
 
     def encode_output(self, event: Event) -> tuple[str, bytes, bytes, list[tuple[str, bytes]]]:
         topic, key, value = encode_for_topic(event, self.max_payload_bytes)
-        return topic.name, key, value, _headers(event)
+        return topic.name, key, value, event_headers(event)
 
     def publish(self, event: Event) -> None:
         topic, key, value, headers = self.encode_output(event)
@@ -555,7 +555,8 @@ class _StoppedDuringRetry(PipelineError):
     """A stop was requested while an event waited for its next retry."""
 
 
-def _headers(event: Event) -> list[tuple[str, bytes]]:
+def event_headers(event: Event) -> list[tuple[str, bytes]]:
+    """The headers every published event carries (the envelope, readable without decoding the value)."""
     return [
         ("crl-kind", event.kind.encode()),
         ("crl-schema-version", str(event.schema_version).encode()),

@@ -25,6 +25,7 @@ from kafka.errors import KafkaError, OffsetOutOfRangeError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.errors import ConfigError, RetryableError, WorkerFailedError
+from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.offsets import LogPosition
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,12 @@ class KafkaGroupInput:
     progress is re-read by the new owner from the last commit (at-least-once; commits follow every poll batch).
     """
 
-    def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str]) -> None:
+    def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str],
+                 commit_log: GroupCommitLog | None = None) -> None:
         self.consumer = consumer
         self.log_ids = dict(log_ids)
+        self.commit_log = commit_log
+        """Where each commit is also recorded (the run's database), so a restored log can carry the group on."""
         self._owned: set[Position] = set()
         self._owned_lock = threading.Lock()
         outer = self
@@ -166,6 +170,9 @@ class KafkaGroupInput:
             self.consumer.commit(offsets)
         except KafkaError as exc:
             raise RetryableError(f"offset commit failed: {exc}") from exc
+        if self.commit_log is not None:
+            self.commit_log.record({(topic, partition): LogPosition(offset, self.log_ids.get(topic, ""))
+                                    for (topic, partition), offset in positions.items()})
 
     def lag(self, positions: Mapping[Position, int]) -> dict[Position, int]:
         return _lag(self.consumer, positions)
@@ -269,6 +276,11 @@ class KafkaOutput:
         self.producer = producer
         self.flush_timeout_s = flush_timeout_s
         self._pending: list = []
+        self._produced_ends: dict[Position, int] = {}
+
+    def produced_ends(self) -> dict[Position, int]:
+        """Per partition written to, one past the last acknowledged record of this producer."""
+        return dict(self._produced_ends)
 
     def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
         self._pending.append(self.producer.send(topic, key=key, value=value, headers=headers))
@@ -288,6 +300,10 @@ class KafkaOutput:
                 f"{len(failures)} records failed and {unfinished} were not acknowledged; first error: "
                 f"{failures[0] if failures else 'timeout'}"
             )
+        for future in pending:
+            written = future.value
+            position = (written.topic, written.partition)
+            self._produced_ends[position] = max(self._produced_ends.get(position, 0), written.offset + 1)
 
     def close(self) -> None:
         self.producer.close(timeout=10)

@@ -1,7 +1,7 @@
 """`crl run --resume RUN_DIR` on the embedded Apache Kafka (whose log outlives the run): after Ctrl-C, after a
-worker crash that failed the run, and after the broker itself was killed, the resumed run completes with every step
-exactly once, versions without gaps or duplicates, and both replays matching over the whole run. A run on the
-embedded Tansu (memory only) is refused with the reason.
+worker crash that failed the run, and after the broker itself was killed; and on the embedded Tansu (memory only)
+after its broker was killed, from the log restored out of the archive. Each resumed run completes with every step
+exactly once, versions without gaps or duplicates, and both replays matching over the whole run.
 """
 
 from __future__ import annotations
@@ -117,13 +117,17 @@ def test_a_run_whose_broker_was_killed_stops_naming_resume_and_resumes(kafka_jar
     _check_the_whole_run(run_dir, "interrupted")
 
 
-def test_a_run_on_the_embedded_tansu_cannot_be_resumed_and_says_why(tmp_path):
-    run_dir = tmp_path / "on-tansu"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("run_id: on-tansu\n")
-    (run_dir / "launch.json").write_text(json.dumps({"embedded_broker": "tansu"}))
-    result = subprocess.run([*CRL, "run", "--resume", str(run_dir), "--no-report"], cwd=ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "memory only" in output and "--broker kafka" in output, output[-2000:]
+def test_a_run_whose_embedded_tansu_was_killed_resumes_from_its_archive(tmp_path):
+    """Tansu keeps records in memory only: the resume restores the archived log into a fresh Tansu (same offsets,
+    the topic ids mapped to the old ones) and the run carries on from its positions and checkpoints."""
+    run_dir = tmp_path / "lost-tansu"
+    process = _start(run_dir, broker="tansu")
+    wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
+    os.kill(json.loads((run_dir / "broker.json").read_text())["pid"], signal.SIGKILL)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-4000:]
+    flat = " ".join(output.split())
+    assert "the broker exited" in flat and f"crl run --resume {run_dir}" in flat, flat[-3000:]
+    output = _resume(run_dir)
+    assert "records from the archive into the fresh broker" in output, output[-3000:]
+    _check_the_whole_run(run_dir, "interrupted")

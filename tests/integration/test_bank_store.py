@@ -155,7 +155,7 @@ def table_contents(engine: Engine) -> dict[str, list[tuple]]:
 
 @pytest.fixture
 def store(db_engine: Engine) -> BankStore:
-    assert migrate(db_engine) == "0003"
+    assert migrate(db_engine) == "0004"
     return BankStore(db_engine)
 
 
@@ -207,8 +207,8 @@ def _described(column_type: Any) -> tuple[type, int | None]:
 
 
 def test_migration_0002_creates_the_bank_tables_as_declared(db_engine: Engine) -> None:
-    assert migrate(db_engine) == "0003"
-    assert current_revision(db_engine) == "0003"
+    assert migrate(db_engine) == "0004"
+    assert current_revision(db_engine) == "0004"
     inspector = inspect(db_engine)
     for table, spec in COLUMNS.items():
         reflected = inspector.get_columns(table)
@@ -231,7 +231,7 @@ def test_downgrade_to_0001_drops_only_the_bank_tables(store: BankStore, db_engin
     tables = set(inspect(db_engine).get_table_names())
     assert tables.isdisjoint(BANK_TABLES) and "consumer_offsets" in tables
 
-    assert migrate(db_engine) == "0003"
+    assert migrate(db_engine) == "0004"
     assert set(BANK_TABLES) <= set(inspect(db_engine).get_table_names())
 
 

@@ -33,7 +33,7 @@ from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
 
 pytestmark = pytest.mark.integration
 
-HEAD = "0003"
+HEAD = "0004"
 
 
 @pytest.fixture

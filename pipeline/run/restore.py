@@ -1,0 +1,255 @@
+"""Restore a run's log from its archive into a fresh broker: how `crl run --resume` continues a run whose embedded
+Tansu (memory only) ended with its records.
+
+    restored = restore_log(run_dir, kafka, engine)     # the broker's topics exist and are empty
+    kafka = kafka.model_copy(update={"log_aliases": restored.aliases})
+    commit_group_positions(kafka, restored.group_positions)
+
+The archive (`RUN_DIR/archive/`) is the durable copy of the log: the archiver reads every partition in assign mode
+and commits its position (`consumer_offsets`, worker `archiver`) only after the segment holding the records before
+it is on disk. So every offset below that position is archived: as an event, or, for a record the archiver could not
+decode, as the dead letter that carries its raw key, value and headers. Restoring writes, per partition and in offset
+order, each of those records into the same topic and partition of the fresh broker, whose topics are new and empty,
+and checks that each lands at its old offset. An event is written as the archive holds it (the JSON of the decoded
+event, which is what the project's producers wrote) with the headers every event carries; a dead-lettered record
+with its original bytes.
+
+A restored topic has a new topic id. `RestoredLog.aliases` maps each new id to the id of the log it was restored
+from; with them in `KafkaSettings.log_aliases` every worker names the restored log as before, so SQL positions,
+bank snapshots, archive segments and dead-letter ids keep counting in it.
+
+What the archive cannot have is the tail the broker had accepted but the archiver had not yet read when the broker
+died (well under a second here; the archiver flushes what it has read when it stops). Outputs written there are
+gone, so a consumer group is carried on from its latest commit whose outputs were all restored
+(`pipeline.runtime.group_commits`) and re-reads from there; the scheduler re-issues what is missing. A worker whose
+own position lies past the restored end read records that are gone and may have acted on them: the bank (a
+projection of the log) is rebuilt from offset 0; any other such worker makes the restore fail, naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+from kafka import TopicPartition as KafkaPartition
+from kafka.structs import OffsetAndMetadata
+from sqlalchemy import Engine, delete, select
+
+from infra.admin import topic_ids
+from infra.db import bank_position, consumer_offsets, metadata
+from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
+from pipeline.audit.archive import archive_root
+from pipeline.bank.snapshots import snapshot_dirs, snapshots_root
+from pipeline.errors import RunFailedError
+from pipeline.runtime.blobs import BlobStore
+from pipeline.runtime.group_commits import restorable_group_positions
+from pipeline.runtime.offsets import LogPosition, SqlOffsetStore, TopicPartition
+from pipeline.runtime.runner import event_headers
+from schemas.codec import decode
+from schemas.dead_letters import DeadLetter, dead_letter_id
+from schemas.topics import DEAD_LETTERS, EXPERIENCE_OPS_TOPIC, TOPICS, Topic
+
+ARCHIVER = "archiver"
+"""The worker whose SQL positions say how far the archive is complete."""
+BANK_TABLES = ("experiences", "experience_versions", "bank_position", "experience_served", "extraction_events",
+               "extractor_batches")
+"""The bank worker's projection in SQL: emptied (with its positions) when it read past the restored log."""
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int | None
+
+
+@dataclass
+class RestoredLog:
+    """What `restore_log` wrote."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    """New topic id -> the archived log's id."""
+    ends: dict[TopicPartition, LogPosition] = field(default_factory=dict)
+    """Where each restored partition ends, in the archived log's id."""
+    records: int = 0
+    from_dead_letters: int = 0
+    group_positions: dict[str, dict[TopicPartition, int]] = field(default_factory=dict)
+    bank_rebuilt: bool = False
+    snapshots_dropped: int = 0
+
+
+def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine) -> RestoredLog:
+    """Write the archived log of `run_dir` into the (fresh, empty) topics of the broker of `kafka`. Raises
+    `RunFailedError` when the archive cannot give back the log as it was."""
+    positions = SqlOffsetStore(engine, ARCHIVER).load()
+    if not positions:
+        raise RunFailedError(f"{run_dir}: the archiver never committed a position, so the archive holds no part of "
+                             "the log to restore (the run died before its first archive segment)")
+    archived_ids = {topic: position.log_id for (topic, _), position in positions.items()}
+    # A partition the archiver holds no position for had no record it read: the restored log has none there.
+    restored = RestoredLog(ends={(topic.name, partition): positions.get((topic.name, partition),
+                                                                         LogPosition(0, archived_ids[topic.name]))
+                                 for topic in TOPICS if topic.name in archived_ids
+                                 for partition in range(topic.partitions)})
+    _check_positions(engine, restored.ends, run_dir)
+    admin = make_admin(kafka, client_id="crl-restore")
+    try:
+        new_ids = topic_ids(admin, [topic.name for topic in TOPICS])
+    finally:
+        admin.close()
+    restored.aliases = {new_ids[topic]: log_id for topic, log_id in archived_ids.items()}
+    gaps = _dead_lettered_records(run_dir, archived_ids)
+    producer = make_producer(kafka, client_id="crl-restore")
+    try:
+        for topic in TOPICS:
+            for partition in range(topic.partitions):
+                end = restored.ends.get((topic.name, partition))
+                if end is None or end.next_offset == 0:
+                    continue
+                futures = []
+                for offset, record, dead_lettered in _partition_records(run_dir, topic, partition, end, gaps):
+                    futures.append((offset, producer.send(topic.name, value=record.value, key=record.key,
+                                                          headers=record.headers, partition=partition,
+                                                          timestamp_ms=record.timestamp_ms)))
+                    restored.records += 1
+                    restored.from_dead_letters += dead_lettered
+                producer.flush()
+                for offset, future in futures:
+                    written = future.get(timeout=60)
+                    if written.offset != offset:
+                        raise RunFailedError(
+                            f"restoring {topic.name}[{partition}]: the record of offset {offset} landed at "
+                            f"{written.offset}; the broker's topic was not empty, or a send was repeated")
+    finally:
+        producer.close(timeout=10)
+    restored.bank_rebuilt = _reset_bank_if_ahead(engine, restored.ends)
+    restored.snapshots_dropped = len(_drop_snapshots_past(run_dir, restored.ends.get((EXPERIENCE_OPS_TOPIC.name, 0))))
+    restored.group_positions = restorable_group_positions(engine, restored.ends)
+    return restored
+
+
+def commit_group_positions(kafka: KafkaSettings, group_positions: Mapping[str, Mapping[TopicPartition, int]]) -> None:
+    """Commit each group's restored positions in the fresh broker (no member has joined it yet)."""
+    for group_id, positions in group_positions.items():
+        consumer = make_consumer(kafka, group_id=group_id, client_id="crl-restore")
+        try:
+            consumer.commit({KafkaPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                             for (topic, partition), offset in positions.items()})
+        finally:
+            consumer.close(autocommit=False)
+
+
+def _check_positions(engine: Engine, ends: Mapping[TopicPartition, LogPosition], run_dir: Path) -> None:
+    """Fail when a worker other than the bank read past the restored log (its state holds records that are gone)."""
+    columns = consumer_offsets.c
+    with engine.connect() as connection:
+        rows = list(connection.execute(select(columns.worker, columns.topic, columns.partition, columns.next_offset,
+                                              columns.log_id)))
+    ahead = [f"{worker} read {topic}[{partition}] up to offset {next_offset}, the archive only to "
+             f"{ends[(topic, partition)].next_offset}"
+             for worker, topic, partition, next_offset, log_id in rows
+             if worker != "bank" and (topic, partition) in ends and ends[(topic, partition)].log_id == log_id
+             and next_offset > ends[(topic, partition)].next_offset]
+    if ahead:
+        raise RunFailedError(
+            f"{run_dir}: the broker died with records the archiver had not read yet, and other workers had acted on "
+            "them: " + "; ".join(ahead) + ". Their state cannot be carried over to a log without those records.")
+
+
+def _reset_bank_if_ahead(engine: Engine, ends: Mapping[TopicPartition, LogPosition]) -> bool:
+    """Empty the bank's projection (SQL rows and positions) when it read past the restored log; the bank
+    worker then rebuilds it from offset 0 of the restored log. Returns whether it did."""
+    columns = consumer_offsets.c
+    with engine.connect() as connection:
+        positions = [(row.topic, row.partition, row.next_offset, row.log_id) for row in connection.execute(
+            select(columns.topic, columns.partition, columns.next_offset, columns.log_id).where(
+                columns.worker == "bank"))]
+        positions += [(row.topic, row.partition, row.next_offset, row.log_id)
+                      for row in connection.execute(select(bank_position))]
+    if not any((topic, partition) in ends and ends[(topic, partition)].log_id == log_id
+               and next_offset > ends[(topic, partition)].next_offset
+               for topic, partition, next_offset, log_id in positions):
+        return False
+    with engine.begin() as connection:
+        for name in BANK_TABLES:
+            connection.execute(delete(metadata.tables[name]))
+        connection.execute(delete(consumer_offsets).where(columns.worker == "bank"))
+    return True
+
+
+def _drop_snapshots_past(run_dir: Path, ops_end: LogPosition | None) -> list[Path]:
+    """Remove the bank snapshots taken at op offsets the restored log does not reach (they hold ops that are gone;
+    the bank writes a snapshot just before the SQL save of its batch)."""
+    dropped = []
+    for path in snapshot_dirs(snapshots_root(run_dir)):
+        if ops_end is None or int(path.name) > ops_end.next_offset:
+            shutil.rmtree(path)
+            dropped.append(path)
+    return dropped
+
+
+def _partition_records(run_dir: Path, topic: Topic, partition: int, end: LogPosition,
+                       gaps: Mapping[tuple[str, int, int], RawRecord]) -> Iterator[tuple[int, RawRecord, bool]]:
+    """(offset, record, from a dead letter) for every offset of the partition below `end`, in order."""
+    directory = archive_root(run_dir) / topic.name
+    rows: list[tuple[int, str, str | None, int | None]] = []
+    if directory.is_dir() and any(directory.glob("*.parquet")):
+        pattern = str(directory / "*.parquet").replace("'", "''")
+        with duckdb.connect() as connection:
+            rows = connection.execute(
+                "SELECT \"offset\", any_value(payload), any_value(record_key), any_value(record_timestamp_ms) "
+                f"FROM read_parquet('{pattern}', union_by_name = true) "
+                "WHERE \"partition\" = ? AND log_id = ? AND \"offset\" < ? GROUP BY \"offset\" ORDER BY \"offset\"",
+                [partition, end.log_id, end.next_offset]).fetchall()
+    archived = {offset: (payload, key, timestamp_ms) for offset, payload, key, timestamp_ms in rows}
+    for offset in range(end.next_offset):
+        if offset in archived:
+            payload, key, timestamp_ms = archived[offset]
+            value = payload.encode("utf-8")
+            event = decode(topic, value)
+            yield offset, RawRecord(key.encode("utf-8") if key is not None else None, value, event_headers(event),
+                                    timestamp_ms), False
+        elif (topic.name, partition, offset) in gaps:
+            yield offset, gaps[(topic.name, partition, offset)], True
+        else:
+            raise RunFailedError(
+                f"{run_dir}: the archive has no record at {topic.name}[{partition}] offset {offset}, neither an event "
+                f"nor a dead letter, though the archiver's position ({end.next_offset}) is past it; the log cannot be "
+                "restored as it was (were archive segments deleted?)")
+
+
+def _dead_lettered_records(run_dir: Path, archived_ids: Mapping[str, str]) -> dict[tuple[str, int, int], RawRecord]:
+    """The raw records of the archived log that became dead letters, by (topic, partition, offset). A dead letter
+    belongs to the log when its id is the one `dead_letter_id` gives for that log (ids name the log)."""
+    directory = archive_root(run_dir) / DEAD_LETTERS.name
+    if not directory.is_dir() or not any(directory.glob("*.parquet")):
+        return {}
+    pattern = str(directory / "*.parquet").replace("'", "''")
+    with duckdb.connect() as connection:
+        payloads = [row[0] for row in connection.execute(
+            f"SELECT any_value(payload) FROM read_parquet('{pattern}', union_by_name = true) GROUP BY event_id"
+        ).fetchall()]
+    blobs = BlobStore(run_dir / "blobs")
+    records: dict[tuple[str, int, int], RawRecord] = {}
+    for payload in payloads:
+        letter = decode(DEAD_LETTERS, payload.encode("utf-8"))
+        if not isinstance(letter, DeadLetter) or letter.source_topic not in archived_ids:
+            continue
+        expected = dead_letter_id(archived_ids[letter.source_topic], letter.source_topic, letter.source_partition,
+                                  letter.source_offset, letter.raw_sha256, letter.error_class)
+        place = (letter.source_topic, letter.source_partition, letter.source_offset)
+        if letter.event_id != expected or place in records:
+            continue
+        value = base64.b64decode(letter.raw_b64) if letter.raw_b64 is not None else blobs.get(letter.raw_uri or "")
+        key = (base64.b64decode(letter.source_key_b64) if letter.source_key_b64 is not None
+               else blobs.get(letter.source_key_uri) if letter.source_key_uri is not None else None)
+        headers = (json.loads(blobs.get(letter.source_headers_uri)) if letter.source_headers_uri is not None
+                   else letter.source_headers)
+        records[place] = RawRecord(key, value, [(name, base64.b64decode(data)) for name, data in headers], None)
+    return records
