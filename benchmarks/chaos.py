@@ -1,11 +1,14 @@
 """Kill workers and the broker at random points of short `crl run`s and check that nothing was lost or doubled
 (issue 16's chaos benchmark).
 
-    python benchmarks/chaos.py --quick               # 3 runs
-    python benchmarks/chaos.py --runs 20 --seed 7    # what the README quotes
+    python benchmarks/chaos.py --quick                               # 3 runs
+    python benchmarks/chaos.py --runs 20 --seed 7                    # what the README quotes
+    python benchmarks/chaos.py --runs 6 --seed 3 --broker tansu      # the default broker, memory only
 
 Each run is a real `crl run configs/tiny-minihack-room.yaml --steps N --broker kafka` (the embedded Apache Kafka,
-whose log stays in the run directory, so the bank can be replayed from Kafka afterwards). A seeded schedule SIGKILLs
+whose log stays in the run directory, so the bank can be replayed from Kafka afterwards) or, with `--broker tansu`,
+on the memory-only Tansu, whose killed broker is resumed from the log restored out of the archive (and the bank is
+replayed from a log restored the same way after the run). A seeded schedule SIGKILLs
 one to three workers of any kind (scheduler, rollout, extractor, bank, either trainer, archiver) or the broker at
 random moments; `crl run` restarts a worker that dies before the run is over, and a run whose broker was killed
 stops and is continued with `crl run --resume`. After each run, from the archive, the SQL store, the checkpoints and
@@ -97,7 +100,7 @@ def kill_on_schedule(run_dir: Path, process: subprocess.Popen, kills: list[Kill]
             kill.done = f"{name} had already exited"
 
 
-def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s: float) -> Outcome:
+def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s: float, broker: str) -> Outcome:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     # The sampling changes from run to run; the task draws do not (the warm starts are cached per environment
     # settings, so a new task seed would recompute them in every run).
@@ -106,7 +109,7 @@ def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s:
     log = (run_dir.parent / f"{run_dir.name}.out").open("wb")
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--steps", str(steps),
-                                "--run-dir", str(run_dir), "--broker", "kafka", "--no-report"], env=env, cwd=ROOT,
+                                "--run-dir", str(run_dir), "--broker", broker, "--no-report"], env=env, cwd=ROOT,
                                stdout=log, stderr=subprocess.STDOUT)
     killer = threading.Thread(target=kill_on_schedule, args=(run_dir, process, kills, started), daemon=True)
     killer.start()
@@ -127,7 +130,7 @@ def run_once(run_dir: Path, steps: int, seed: int, kills: list[Kill], timeout_s:
     return Outcome(kills, code, time.monotonic() - started)
 
 
-def check(run_dir: Path, outcome: Outcome) -> None:
+def check(run_dir: Path, outcome: Outcome, broker: str) -> None:
     from pipeline.audit.views import Audit
 
     checks = outcome.checks
@@ -158,18 +161,20 @@ def check(run_dir: Path, outcome: Outcome) -> None:
         checks["each batch holds each event once"] = "; ".join(problems)
         letters = q("SELECT count(*), list(DISTINCT error_class) FROM dead_letter")[0]
         checks["no dead letter"] = "" if not letters[0] else f"{letters[0]} dead letters: {letters[1]}"
-    checks.update(bank_checks(run_dir))
+    checks.update(bank_checks(run_dir, broker))
     checks.update(training_checks(run_dir))
 
 
-def bank_checks(run_dir: Path) -> dict[str, str]:
+def bank_checks(run_dir: Path, broker_kind: str) -> dict[str, str]:
+    from infra.admin import create_topics
     from infra.broker import BrokerSettings, embedded_broker
     from infra.db import DbSettings, database_url, make_engine
-    from infra.kafka import KafkaSettings
+    from infra.kafka import KafkaSettings, make_admin
     from pipeline.audit.bank_replay import archived_run_id, ops_from_archive, replay_bank
     from pipeline.bank.replay import Checkpoint, replay
     from pipeline.bank.snapshots import read_manifest, read_snapshot, snapshot_dirs, snapshots_root
     from pipeline.bank.store import BankStore
+    from pipeline.run.restore import restore_log
 
     store = BankStore(make_engine(database_url(DbSettings(), run_dir)))
     results = {}
@@ -186,11 +191,22 @@ def bank_checks(run_dir: Path) -> dict[str, str]:
             "no live bank position"
     except Exception as exc:  # a check that cannot run is a violation, named
         results["bank = replay from the archive"] = f"{type(exc).__name__}: {exc}"
-    broker = embedded_broker(BrokerSettings(kind="kafka"), data_dir=run_dir / "kafka",
+    # Apache Kafka's log is in the run directory; Tansu's ended with the run, so its log is restored from the
+    # archive into a fresh Tansu, as `crl run --resume` does, and the bank replayed from that.
+    broker = embedded_broker(BrokerSettings(kind=broker_kind), data_dir=run_dir / "kafka",
                              log_path=run_dir / "logs" / "broker-check.log")
     try:
         broker.start()
-        from_kafka = replay_bank(run_dir, store, KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
+        kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
+        if broker_kind == "tansu":
+            admin = make_admin(kafka, client_id="chaos-check")
+            try:
+                create_topics(admin)
+            finally:
+                admin.close()
+            restored = restore_log(run_dir, kafka, store.engine, carry_over=False)
+            kafka = kafka.model_copy(update={"log_aliases": restored.aliases})
+        from_kafka = replay_bank(run_dir, store, kafka)
         results["bank = replay from Kafka"] = "; ".join(from_kafka.problems)
     except Exception as exc:
         results["bank = replay from Kafka"] = f"{type(exc).__name__}: {exc}"
@@ -221,6 +237,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="A run still going after this is stopped.")
     parser.add_argument("--out", type=Path, default=None, help="Directory for the runs (default runs/chaos-*).")
     parser.add_argument("--quick", action="store_true", help="3 runs.")
+    parser.add_argument("--broker", choices=("kafka", "tansu"), default="kafka",
+                        help="The embedded broker of the runs: Apache Kafka (its log outlives a kill) or Tansu (memory "
+                             "only: a killed one is resumed from the log restored out of the archive).")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="What may be killed.")
     args = parser.parse_args()
     if args.quick:
@@ -232,8 +251,8 @@ def main() -> None:
     for index in range(args.runs):
         kills = schedule(rng, args.horizon, tuple(args.kinds))
         run_dir = out / f"run-{index:02d}"
-        outcome = run_once(run_dir, args.steps, args.seed * 1000 + index, kills, args.timeout)
-        check(run_dir, outcome)
+        outcome = run_once(run_dir, args.steps, args.seed * 1000 + index, kills, args.timeout, args.broker)
+        check(run_dir, outcome, args.broker)
         outcomes.append(outcome)
         print(f"# run {index}: {outcome.seconds:.0f}s, exit {outcome.exit_code}; "
               + "; ".join(kill.done for kill in kills), flush=True)

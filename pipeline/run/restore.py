@@ -84,9 +84,14 @@ class RestoredLog:
     snapshots_dropped: int = 0
 
 
-def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine) -> RestoredLog:
+def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over: bool = True) -> RestoredLog:
     """Write the archived log of `run_dir` into the (fresh, empty) topics of the broker of `kafka`. Raises
-    `RunFailedError` when the archive cannot give back the log as it was."""
+    `RunFailedError` when the archive cannot give back the log as it was.
+
+    `carry_over`: the run goes on in the restored log, so check and adjust what the workers keep (a worker past the
+    archive fails the restore, a bank past it is emptied, snapshots past it removed) and work out the groups'
+    positions. Without it nothing of the run is read or changed but the archive and the archiver's positions (a
+    read-only look at the log, such as replaying the bank from Kafka after the run)."""
     positions = SqlOffsetStore(engine, ARCHIVER).load()
     if not positions:
         raise RunFailedError(f"{run_dir}: the archiver never committed a position, so the archive holds no part of "
@@ -97,7 +102,8 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine) -> Restored
                                                                          LogPosition(0, archived_ids[topic.name]))
                                  for topic in TOPICS if topic.name in archived_ids
                                  for partition in range(topic.partitions)})
-    _check_positions(engine, restored.ends, run_dir)
+    if carry_over:
+        _check_positions(engine, restored.ends, run_dir)
     admin = make_admin(kafka, client_id="crl-restore")
     try:
         new_ids = topic_ids(admin, [topic.name for topic in TOPICS])
@@ -128,9 +134,11 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine) -> Restored
                             f"{written.offset}; the broker's topic was not empty, or a send was repeated")
     finally:
         producer.close(timeout=10)
-    restored.bank_rebuilt = _reset_bank_if_ahead(engine, restored.ends)
-    restored.snapshots_dropped = len(_drop_snapshots_past(run_dir, restored.ends.get((EXPERIENCE_OPS_TOPIC.name, 0))))
-    restored.group_positions = restorable_group_positions(engine, restored.ends)
+    if carry_over:
+        restored.bank_rebuilt = _reset_bank_if_ahead(engine, restored.ends)
+        restored.snapshots_dropped = len(_drop_snapshots_past(run_dir, restored.ends.get((EXPERIENCE_OPS_TOPIC.name,
+                                                                                          0))))
+        restored.group_positions = restorable_group_positions(engine, restored.ends)
     return restored
 
 
