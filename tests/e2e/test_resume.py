@@ -1,6 +1,6 @@
 """`crl run --resume RUN_DIR` on the embedded Apache Kafka (whose log outlives the run): after Ctrl-C, after a
 worker crash that failed the run, and after the broker itself was killed; and on the embedded Tansu (memory only)
-after its broker was killed, from the log restored out of the archive. Each resumed run completes with every step
+after Ctrl-C and after its broker was killed, from the log restored out of the archive. Each resumed run completes with every step
 exactly once, versions without gaps or duplicates, and both replays matching over the whole run.
 """
 
@@ -78,16 +78,21 @@ def _check_the_whole_run(run_dir: Path, *previous_status: str) -> None:
     assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
 
 
-def test_a_run_stopped_with_ctrl_c_resumes_and_completes_every_step_once(kafka_jars, tmp_path):
-    run_dir = tmp_path / "stopped"
-    process = _start(run_dir)
+@pytest.mark.parametrize("broker", ["tansu", "kafka"])
+def test_a_run_stopped_with_ctrl_c_resumes_and_completes_every_step_once(broker, request, tmp_path):
+    if broker == "kafka":
+        request.getfixturevalue("kafka_jars")
+    run_dir = tmp_path / f"stopped-on-{broker}"
+    process = _start(run_dir, broker=broker)
     wait_for_log(run_dir, "actor_trainer-0", "-> version 1", process, 600)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output[-4000:]
-    assert f"Continue it with: crl run --resume {run_dir}" in output
+    assert f"Continue it with: crl run --resume {run_dir}" in " ".join(output.split())
     output = _resume(run_dir)
-    assert "resuming run stopped (attempt 1; the previous one stopped)" in output
+    assert f"resuming run {run_dir.name} (attempt 1; the previous one stopped)" in output
+    if broker == "tansu":  # drained before it stopped: the whole log was archived, and comes back from there
+        assert "records from the archive into the fresh broker" in output, output[-3000:]
     _check_the_whole_run(run_dir, "stopped")
 
 
