@@ -93,9 +93,8 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
     positions. Without it nothing of the run is read or changed but the archive and the archiver's positions (a
     read-only look at the log, such as replaying the bank from Kafka after the run)."""
     positions = SqlOffsetStore(engine, ARCHIVER).load()
-    if not positions:
-        raise RunFailedError(f"{run_dir}: the archiver never committed a position, so the archive holds no part of "
-                             "the log to restore (the run died before its first archive segment)")
+    # No position at all: the broker died before the archiver had read anything, so the restored log is empty (and
+    # a worker that had read something is named below).
     archived_ids = {topic: position.log_id for (topic, _), position in positions.items()}
     # A partition the archiver holds no position for had no record it read: the restored log has none there.
     restored = RestoredLog(ends={(topic.name, partition): positions.get((topic.name, partition),
@@ -153,17 +152,28 @@ def commit_group_positions(kafka: KafkaSettings, group_positions: Mapping[str, M
             consumer.close(autocommit=False)
 
 
+def _past_end(ends: Mapping[TopicPartition, LogPosition], topic: str, partition: int, next_offset: int,
+              log_id: str) -> int | None:
+    """Where the restored log ends on the partition, when a position lies past it (else None). A position in another
+    log of an archived topic (a topic re-created since) says nothing about this one; on a topic of which nothing was
+    archived, any position past 0 read records that are gone."""
+    end = ends.get((topic, partition))
+    if end is not None:
+        return end.next_offset if end.log_id == log_id and next_offset > end.next_offset else None
+    if any(name == topic for name, _ in ends):
+        return None
+    return 0 if next_offset > 0 else None
+
+
 def _check_positions(engine: Engine, ends: Mapping[TopicPartition, LogPosition], run_dir: Path) -> None:
     """Fail when a worker other than the bank read past the restored log (its state holds records that are gone)."""
     columns = consumer_offsets.c
     with engine.connect() as connection:
         rows = list(connection.execute(select(columns.worker, columns.topic, columns.partition, columns.next_offset,
                                               columns.log_id)))
-    ahead = [f"{worker} read {topic}[{partition}] up to offset {next_offset}, the archive only to "
-             f"{ends[(topic, partition)].next_offset}"
+    ahead = [f"{worker} read {topic}[{partition}] up to offset {next_offset}, the archive only to {end}"
              for worker, topic, partition, next_offset, log_id in rows
-             if worker != "bank" and (topic, partition) in ends and ends[(topic, partition)].log_id == log_id
-             and next_offset > ends[(topic, partition)].next_offset]
+             if worker != "bank" and (end := _past_end(ends, topic, partition, next_offset, log_id)) is not None]
     if ahead:
         raise RunFailedError(
             f"{run_dir}: the broker died with records the archiver had not read yet, and other workers had acted on "
@@ -180,9 +190,8 @@ def _reset_bank_if_ahead(engine: Engine, ends: Mapping[TopicPartition, LogPositi
                 columns.worker == "bank"))]
         positions += [(row.topic, row.partition, row.next_offset, row.log_id)
                       for row in connection.execute(select(bank_position))]
-    if not any((topic, partition) in ends and ends[(topic, partition)].log_id == log_id
-               and next_offset > ends[(topic, partition)].next_offset
-               for topic, partition, next_offset, log_id in positions):
+    if all(_past_end(ends, topic, partition, next_offset, log_id) is None
+           for topic, partition, next_offset, log_id in positions):
         return False
     with engine.begin() as connection:
         for name in BANK_TABLES:

@@ -179,3 +179,21 @@ def test_a_worker_that_read_past_the_archive_is_named_and_a_bank_that_did_is_reb
         with pytest.raises(RunFailedError, match=named):
             restore_log(settings.run_dir, _with_topics(third), engine)
     engine.dispose()
+
+
+def test_a_broker_that_died_before_anything_was_archived_restores_an_empty_log_unless_a_worker_read_from_it(
+        tansu_bin, tmp_path):
+    settings = Settings(run_dir=tmp_path / "run", run_id=RUN)
+    engine = _engine(settings)
+    with TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "second.log") as second:
+        restored = restore_log(settings.run_dir, _with_topics(second), engine)
+        assert (restored.records, restored.aliases, restored.group_positions) == (0, {}, {})
+    with engine.begin() as connection:
+        connection.execute(insert(consumer_offsets), [{
+            "worker": "actor_trainer", "topic": TRAJECTORIES.name, "partition": 3, "next_offset": 1,
+            "log_id": "gone", "updated_at": datetime.now(UTC)}])
+    with TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "third.log") as third:
+        with pytest.raises(RunFailedError, match=r"actor_trainer read crl.trajectories\[3\] up to offset 1, the "
+                                                 "archive only to 0"):
+            restore_log(settings.run_dir, _with_topics(third), engine)
+    engine.dispose()
