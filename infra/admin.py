@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from infra.errors import ConfigError
 from schemas.topics import TOPICS, Topic
@@ -53,6 +53,29 @@ def existing_partition_counts(admin: KafkaAdminClient) -> dict[str, int]:
 def topic_ids(admin: KafkaAdminClient, names: Iterable[str]) -> dict[str, str]:
     """The Kafka topic id of each topic: a new one at every creation, so it names one log's incarnation."""
     return {item["name"]: str(item["topic_id"]) for item in admin.describe_topics(list(names))}
+
+
+def wait_for_leaders(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS, timeout_s: float = 60.0) -> None:
+    """Wait until every partition of `topics` has a leader. A restarted broker (the embedded Apache Kafka on
+    `crl run --resume`) answers before it has brought its partitions online; a consumer that joins its group then
+    sees no metadata for them, gets no partitions, and kafka-python was seen to stay in that state. Raises
+    `TopicMismatchError` after `timeout_s` naming the partitions still without one."""
+    names = [topic.name for topic in topics]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            described = admin.describe_topics(names)
+        except KafkaError as exc:  # the broker still loading its logs
+            leaderless = [f"all ({type(exc).__name__}: {exc})"]
+        else:
+            leaderless = [f"{item['name']}[{partition['partition_index']}]" for item in described
+                          for partition in item["partitions"] if partition["leader_id"] < 0 or partition["error_code"]]
+            leaderless += [item["name"] for item in described if item["error_code"] or not item["partitions"]]
+        if not leaderless:
+            return
+        if time.monotonic() > deadline:
+            raise TopicMismatchError(f"partitions without a leader after {timeout_s:.0f}s: {', '.join(leaderless)}")
+        time.sleep(0.2)
 
 
 def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> dict[str, str]:

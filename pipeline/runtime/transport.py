@@ -153,7 +153,12 @@ class KafkaGroupInput:
                     outer._owned |= {(tp.topic, tp.partition) for tp in assigned}
                 log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
-        consumer.subscribe(topics=list(topics), listener=_Listener())
+        topics = list(topics)
+        # Metadata first: a member that joins before it knows the topics' partitions is assigned none (kafka-python
+        # logs "No partition metadata"), and one such member after a broker restart never rejoined.
+        for topic in topics:
+            consumer.partitions_for_topic(topic)
+        consumer.subscribe(topics=topics, listener=_Listener())
 
     def owns(self, position: Position) -> bool:
         with self._owned_lock:
