@@ -48,6 +48,7 @@ from pipeline.bank.snapshots import snapshot_dirs, snapshots_root
 from pipeline.errors import RunFailedError
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.group_commits import restorable_group_positions
+from pipeline.runtime.harness import RawRecord
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore, TopicPartition
 from pipeline.runtime.runner import event_headers
 from schemas.codec import decode
@@ -59,14 +60,6 @@ ARCHIVER = "archiver"
 BANK_TABLES = ("experiences", "experience_versions", "bank_position", "experience_served", "extraction_events",
                "extractor_batches")
 """The bank worker's projection in SQL: emptied (with its positions) when it read past the restored log."""
-
-
-@dataclass(frozen=True)
-class RawRecord:
-    key: bytes | None
-    value: bytes
-    headers: list[tuple[str, bytes]]
-    timestamp_ms: int | None
 
 
 @dataclass
@@ -120,7 +113,7 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
                 futures = []
                 for offset, record, dead_lettered in _partition_records(run_dir, topic, partition, end, gaps):
                     futures.append((offset, producer.send(topic.name, value=record.value, key=record.key,
-                                                          headers=record.headers, partition=partition,
+                                                          headers=list(record.headers), partition=partition,
                                                           timestamp_ms=record.timestamp_ms)))
                     restored.records += 1
                     restored.from_dead_letters += dead_lettered
@@ -230,8 +223,8 @@ def _partition_records(run_dir: Path, topic: Topic, partition: int, end: LogPosi
             payload, key, timestamp_ms = archived[offset]
             value = payload.encode("utf-8")
             event = decode(topic, value)
-            yield offset, RawRecord(key.encode("utf-8") if key is not None else None, value, event_headers(event),
-                                    timestamp_ms), False
+            yield offset, RawRecord(topic.name, value, key.encode("utf-8") if key is not None else None, partition,
+                                    timestamp_ms, tuple(event_headers(event))), False
         elif (topic.name, partition, offset) in gaps:
             yield offset, gaps[(topic.name, partition, offset)], True
         else:
@@ -268,5 +261,6 @@ def _dead_lettered_records(run_dir: Path, archived_ids: Mapping[str, str]) -> di
                else blobs.get(letter.source_key_uri) if letter.source_key_uri is not None else None)
         headers = (json.loads(blobs.get(letter.source_headers_uri)) if letter.source_headers_uri is not None
                    else letter.source_headers)
-        records[place] = RawRecord(key, value, [(name, base64.b64decode(data)) for name, data in headers], None)
+        records[place] = RawRecord(letter.source_topic, value, key, letter.source_partition, None,
+                                   tuple((name, base64.b64decode(data)) for name, data in headers))
     return records
