@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.structs import OffsetAndMetadata
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from infra.errors import ConfigError
@@ -157,6 +158,18 @@ def make_consumer(
         request_timeout_ms=max(settings.request_timeout_ms, settings.session_timeout_ms + 1000),
         reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
     )
+
+
+def commit_group_offsets(settings: KafkaSettings, group_id: str, offsets: dict[tuple[str, int], int],
+                         client_id: str | None = None) -> None:
+    """Commit `offsets` ((topic, partition) -> next offset) for `group_id` without joining the group: how a
+    restored log hands a consumer group its positions before any member starts."""
+    consumer = make_consumer(settings, group_id=group_id, client_id=client_id)
+    try:
+        consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+                         for (topic, partition), offset in offsets.items()})
+    finally:
+        consumer.close(autocommit=False)
 
 
 def make_admin(settings: KafkaSettings, client_id: str | None = None) -> KafkaAdminClient:

@@ -36,13 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
-from kafka import TopicPartition as KafkaPartition
-from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine, delete, select
 
 from infra.admin import topic_ids
 from infra.db import bank_position, consumer_offsets, metadata
-from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
+from infra.kafka import KafkaSettings, commit_group_offsets, make_admin, make_producer
 from pipeline.audit.archive import archive_root
 from pipeline.bank.snapshots import snapshot_dirs, snapshots_root
 from pipeline.errors import RunFailedError
@@ -137,12 +135,7 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
 def commit_group_positions(kafka: KafkaSettings, group_positions: Mapping[str, Mapping[TopicPartition, int]]) -> None:
     """Commit each group's restored positions in the fresh broker (no member has joined it yet)."""
     for group_id, positions in group_positions.items():
-        consumer = make_consumer(kafka, group_id=group_id, client_id="crl-restore")
-        try:
-            consumer.commit({KafkaPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-                             for (topic, partition), offset in positions.items()})
-        finally:
-            consumer.close(autocommit=False)
+        commit_group_offsets(kafka, group_id, dict(positions), client_id="crl-restore")
 
 
 def _past_end(ends: Mapping[TopicPartition, LogPosition], topic: str, partition: int, next_offset: int,
