@@ -79,7 +79,8 @@ def wait_for_leaders(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS, 
 
 
 def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> dict[str, str]:
-    """Create every topic that is missing. Returns `{name: "created" | "exists"}`; raises `TopicMismatchError`."""
+    """Create every topic that is missing and wait until every partition has a leader. Returns `{name: "created" |
+    "exists"}`; raises `TopicMismatchError`."""
     topics = list(topics)
     existing = existing_partition_counts(admin)
     result: dict[str, str] = {}
@@ -109,6 +110,7 @@ def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> 
             # Another process created it between our listing and our request.
             result[topic.name] = "exists"
     _wait_for_metadata(admin, [t.name for t in topics])
+    wait_for_leaders(admin, topics)
     return result
 
 

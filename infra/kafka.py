@@ -11,6 +11,7 @@ at a secured cluster needs only environment variables, e.g.::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -160,7 +161,7 @@ def make_consumer(
     )
 
 
-def commit_group_offsets(settings: KafkaSettings, group_id: str, offsets: dict[tuple[str, int], int],
+def commit_group_offsets(settings: KafkaSettings, group_id: str, offsets: Mapping[tuple[str, int], int],
                          client_id: str | None = None) -> None:
     """Commit `offsets` ((topic, partition) -> next offset) for `group_id` without joining the group: how a
     restored log hands a consumer group its positions before any member starts."""

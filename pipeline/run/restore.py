@@ -135,7 +135,7 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
 def commit_group_positions(kafka: KafkaSettings, group_positions: Mapping[str, Mapping[TopicPartition, int]]) -> None:
     """Commit each group's restored positions in the fresh broker (no member has joined it yet)."""
     for group_id, positions in group_positions.items():
-        commit_group_offsets(kafka, group_id, dict(positions), client_id="crl-restore")
+        commit_group_offsets(kafka, group_id, positions, client_id="crl-restore")
 
 
 def _past_end(ends: Mapping[TopicPartition, LogPosition], topic: str, partition: int, next_offset: int,

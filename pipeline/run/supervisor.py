@@ -52,7 +52,7 @@ from pathlib import Path
 import yaml
 from rich.console import Group
 
-from infra.admin import create_topics, wait_for_leaders
+from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
 from infra.db import database_url, make_engine, migrate
 from infra.kafka import make_admin, make_producer
@@ -155,8 +155,7 @@ class RunSupervisor:
             launch.write_text(json.dumps({"embedded_broker": self.broker.kind if self.broker is not None else None}))
         admin = make_admin(self.settings.kafka, client_id="crl-run")
         try:
-            create_topics(admin)
-            wait_for_leaders(admin)
+            create_topics(admin)  # waits for every partition's leader (a restarted broker answers before)
         finally:
             admin.close()
         if self.resume and self.broker is not None and self.broker.kind == "tansu":

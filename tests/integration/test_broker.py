@@ -91,6 +91,29 @@ class PublishExamples(Worker):
         return True
 
 
+def test_created_topics_have_a_leader_on_every_partition_and_a_missing_one_is_named(kafka_bootstrap):
+    """`create_topics` returns only once every partition has a leader (a member that joins before that is assigned
+    nothing); `wait_for_leaders` gives up on a topic the broker does not have with an error, not a hang."""
+    import dataclasses
+
+    from infra.admin import TopicMismatchError, create_topics, wait_for_leaders
+
+    admin = make_admin(KafkaSettings(bootstrap_servers=kafka_bootstrap))
+    try:
+        assert set(create_topics(admin).values()) == {"exists"}
+        described = {item["name"]: item["partitions"] for item in admin.describe_topics([t.name for t in TOPICS])}
+        assert {name: len(partitions) for name, partitions in described.items()} == {
+            t.name: t.partitions for t in TOPICS}
+        assert all(p["leader_id"] >= 0 for partitions in described.values() for p in partitions)
+        never_created = dataclasses.replace(TRAJECTORIES, name="crl.never-created")
+        started = time.monotonic()
+        with pytest.raises(TopicMismatchError, match="without a leader after 1s"):
+            wait_for_leaders(admin, [never_created], timeout_s=1.0)
+        assert time.monotonic() - started < 10
+    finally:
+        admin.close()
+
+
 def test_every_event_kind_round_trips_through_kafka(kafka_bootstrap, tmp_path):
     build_runner(PublishExamples, settings_for(kafka_bootstrap, tmp_path)).run()
     expected = {event.kind: event for event in EXAMPLES}
