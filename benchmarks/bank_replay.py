@@ -29,14 +29,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from usearch.index import Index  # noqa: E402
+from usearch.index import Index
 
-from pipeline.bank.index import ExperienceIndex  # noqa: E402
-from pipeline.bank.replay import collector_paused  # noqa: E402
-from pipeline.bank.state import BankState  # noqa: E402
-from pipeline.bank.synthetic import iter_synthetic_ops  # noqa: E402
-from schemas.codec import decode, encode  # noqa: E402
-from schemas.topics import EXPERIENCE_OPS_TOPIC  # noqa: E402
+from pipeline.bank.index import ExperienceIndex
+from pipeline.bank.replay import collector_paused
+from pipeline.bank.state import BankState
+from pipeline.bank.synthetic import iter_synthetic_ops
+from schemas.codec import decode, encode
+from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 
 def measure(count: int) -> dict[str, float]:

@@ -32,19 +32,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra.admin import create_topics  # noqa: E402
-from infra.broker import BrokerError, BrokerSettings, embedded_broker  # noqa: E402
-from infra.kafka import KafkaSettings, make_admin, make_producer  # noqa: E402
-from pipeline.runtime.launch import build_runner  # noqa: E402
-from pipeline.runtime.runner import Limits  # noqa: E402
+from infra.admin import create_topics
+from infra.broker import BrokerError, BrokerSettings, embedded_broker
+from infra.kafka import KafkaSettings, make_admin, make_producer
+from pipeline.runtime.launch import build_runner
+from pipeline.runtime.runner import Limits
 from pipeline.runtime.settings import RunnerSettings
-from pipeline.runtime.transport import KafkaOutput  # noqa: E402
-from pipeline.settings import ArchiverSettings, Settings  # noqa: E402
-from schemas.codec import decode, encode  # noqa: E402
-from schemas.examples import example_events  # noqa: E402
-from schemas.topics import TRAJECTORIES, topic_of  # noqa: E402
-from schemas.trajectories import TrajectoryCompleted, Turn  # noqa: E402
-from workers.archiver import Archiver  # noqa: E402
+from pipeline.runtime.transport import KafkaOutput
+from pipeline.settings import ArchiverSettings, Settings
+from schemas.codec import decode, encode
+from schemas.examples import example_events
+from schemas.topics import TRAJECTORIES, topic_of
+from schemas.trajectories import TrajectoryCompleted, Turn
+from workers.archiver import Archiver
 
 
 def realistic_trajectory() -> TrajectoryCompleted:
@@ -113,7 +113,7 @@ def bus_rates(kind: str, events_total: int) -> dict[str, float]:
             admin = make_admin(kafka)
             create_topics(admin)
             admin.close()
-            small = [e for e in example_events("bench") if e.kind == "EpisodeAssigned"][0]
+            small = next(e for e in example_events("bench") if e.kind == "EpisodeAssigned")
             output = KafkaOutput(make_producer(kafka))
             topic = topic_of(small)
             started = time.perf_counter()

@@ -189,7 +189,7 @@ def bank_checks(run_dir: Path, broker_kind: str) -> dict[str, str]:
             if live is not None else None
         results["every snapshot = replay"] = "; ".join(replayed.mismatches(checkpoints)) if replayed else \
             "no live bank position"
-    except Exception as exc:  # a check that cannot run is a violation, named
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run is a violation, named
         results["bank = replay from the archive"] = f"{type(exc).__name__}: {exc}"
     # Apache Kafka's log is in the run directory; Tansu's ended with the run, so its log is restored from the
     # archive into a fresh Tansu, as `crl run --resume` does, and the bank replayed from that.
@@ -208,7 +208,7 @@ def bank_checks(run_dir: Path, broker_kind: str) -> dict[str, str]:
             kafka = kafka.model_copy(update={"log_aliases": restored.aliases})
         from_kafka = replay_bank(run_dir, store, kafka)
         results["bank = replay from Kafka"] = "; ".join(from_kafka.problems)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run is a violation, named
         results["bank = replay from Kafka"] = f"{type(exc).__name__}: {exc}"
     finally:
         broker.stop()
@@ -223,7 +223,7 @@ def training_checks(run_dir: Path) -> dict[str, str]:
         try:
             report = replay_training(run_dir, role)  # type: ignore[arg-type]
             problems += [f"{role} step {c.step}" for c in report.checks if not c.ok]
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a replay that cannot run is a violation, named
             problems.append(f"{role}: {type(exc).__name__}: {exc}")
     return {"replay train matches": "; ".join(problems)}
 

@@ -137,7 +137,7 @@ def main() -> None:
                 print(f"parse_{status}_{arm}={count / generations:.4f}")
             print(f"generations_{arm}={generations}")
         for name, table in (("eval_first", first_evals), ("eval_success", evals)):
-            wins, count = map(sum, zip(*table[arm]))
+            wins, count = map(sum, zip(*table[arm], strict=True))
             print(f"{name}_{arm}={wins / count if count else float('nan'):.4f}")
         print(f"env_steps_{arm}={sum(points[-1][1] for points in curves[arm]) / len(curves[arm]):.0f}")
     for other in ("grpo", "static_extractor"):

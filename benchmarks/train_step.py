@@ -26,17 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.trl_inputs import trl_inputs  # noqa: E402
-from pipeline.models.tiny import build_tiny  # noqa: E402
-from pipeline.rl.advantages import batch_mean_advantages  # noqa: E402
-from pipeline.rl.losses import policy_loss  # noqa: E402
+from benchmarks.trl_inputs import trl_inputs
+from pipeline.models.tiny import build_tiny
+from pipeline.rl.advantages import batch_mean_advantages
+from pipeline.rl.losses import policy_loss
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories  # noqa: E402
-from pipeline.rl.training import actor_advantages, actor_samples  # noqa: E402
-from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step  # noqa: E402
-from pipeline.settings import TinyModelSettings  # noqa: E402
+from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
+from pipeline.rl.training import actor_advantages, actor_samples
+from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step
+from pipeline.settings import TinyModelSettings
 
 
 def timed_steps(policy, samples: list[Sample], variant: str, steps: int, micro_batch_size: int) -> list[float]:
@@ -114,7 +114,7 @@ def main() -> None:
     generations = synthetic_extractions(extractor, run_id="bench", count=extractions, seed=0, max_new_tokens=48)
     rewards = torch.tensor([1.0 if i % 3 else -1.0 for i in range(extractions)])
     extractor_batch = [Sample(tuple(g.prompt_token_ids), tuple(g.response_token_ids), tuple(g.sampling_logprobs), a)
-                       for g, a in zip(generations, batch_mean_advantages(rewards).tolist())]
+                       for g, a in zip(generations, batch_mean_advantages(rewards).tolist(), strict=True)]
 
     params = sum(p.numel() for p in actor.model.parameters())
     print(f"params={params}")

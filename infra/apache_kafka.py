@@ -39,8 +39,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.broker_process import BrokerError, BrokerProcess, free_loopback_port, port_is_free
+from infra.broker_process import BrokerProcess, free_loopback_port, port_is_free
 from infra.cache import default_cache_dir, exclusive_lock
+from infra.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -377,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Apache Kafka {KAFKA_VERSION}: {len(jars)} jars, {size / 1e6:.1f} MB, sha256 checked, in "
                   f"{jars[0].parent} ({time.monotonic() - began:.1f}s)")
         else:
-            jars = write_lock()
-            print(f"{LOCK_FILE}: {len(jars)} jars")
+            locked = write_lock()
+            print(f"{LOCK_FILE}: {len(locked)} jars")
     except BrokerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
-from infra.broker_process import BrokerError, BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
+from infra.broker_process import BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
+from infra.errors import BrokerError
 from infra.tansu import TansuBroker, locate_tansu
 
 __all__ = ["BROKER_FILE", "BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent",
@@ -81,7 +82,7 @@ def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None, ki
     return path
 
 
-def read_broker_file(run_dir: Path) -> dict | None:
+def read_broker_file(run_dir: Path) -> dict[str, Any] | None:
     """What `write_broker_file` wrote for the broker running for `run_dir`, or None when none runs."""
     path = run_dir / BROKER_FILE
     return json.loads(path.read_text()) if path.exists() else None

@@ -138,7 +138,8 @@ class BrokerProcess(ABC):
         return self._process is not None and self._process.poll() is None
 
     def resident_memory_bytes(self) -> int | None:
-        return resident_memory_bytes(self._process.pid) if self.is_running() else None  # type: ignore[union-attr]
+        process = self._process
+        return resident_memory_bytes(process.pid) if process is not None and self.is_running() else None
 
     def start(self) -> Self:
         if self.is_running():

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from infra.broker_process import BrokerError, BrokerProcess
+from infra.broker_process import BrokerProcess
+from infra.errors import BrokerError
 
 
 def locate_tansu(override: Path | str | None = None) -> Path:

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from infra.broker import BrokerSettings
 from infra.db import DbSettings
@@ -86,11 +92,18 @@ class Settings(BaseSettings):
         default_factory=lambda: ExtractorTrainerSettings(model=ModelSettings(tiny=TinyModelSettings(seed=1))))
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,  # type: ignore[no-untyped-def, override]
-                                   file_secret_settings):
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Precedence: arguments, then CRL_* variables, then the YAML file named by CRL_CONFIG, then defaults."""
         sources = [init_settings, env_settings]
         # `Settings(config=path)` names the file directly; else CRL_CONFIG (this is the settings edge).
+        assert isinstance(init_settings, InitSettingsSource)  # pydantic-settings passes the arguments' source here
         config_file = init_settings.init_kwargs.get("config") or os.environ.get("CRL_CONFIG")
         if config_file:
             sources.append(RunConfigSource(settings_cls, Path(config_file)))

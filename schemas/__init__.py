@@ -24,5 +24,6 @@ __all__ = [
     "EventDecodeError", "ExperienceAdded", "ExperienceMerged", "ExperienceRef", "ExperienceRefined",
     "ExperienceRetired", "ExtractionGenerated", "Float16s", "Id", "LogProbs", "MergeRequested", "PolicyPublished",
     "Producer", "RunFinished", "RunResumed", "RunStarted", "StopRequested", "Timings", "TokenIds", "Topic",
-    "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "decode", "encode", "topic_named", "topic_of",
+    "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "decode", "encode", "topic_named",
+    "topic_of",
 ]

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, model_validator
 
 _BASE64_STRING = {"type": "string", "contentEncoding": "base64"}
@@ -39,7 +40,7 @@ def _from_base64(text: str, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _to_base64(values: tuple, dtype: str) -> str:
+def _to_base64(values: Sequence[float], dtype: str) -> str:
     return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
 
 
@@ -65,7 +66,7 @@ class PackedFloats(Sequence[float]):
     384 Python floats per embedding was a fifth of the cost of decoding an op log, and nothing in a replay reads them.
     """
 
-    __slots__ = ("packed", "dtype", "_values")
+    __slots__ = ("_values", "dtype", "packed")
 
     def __init__(self, packed: bytes, dtype: str) -> None:
         self.packed = packed
@@ -186,7 +187,7 @@ class EmbeddingVector(BaseModel):
         return self
 
     @classmethod
-    def from_array(cls, model: str, vector: np.ndarray) -> EmbeddingVector:
+    def from_array(cls, model: str, vector: npt.ArrayLike) -> EmbeddingVector:
         flat = np.asarray(vector, dtype=np.float64).reshape(-1)  # one rounding only: to float16 in the validator
         return cls(model=model, dim=int(flat.size), data=tuple(flat.tolist()))
 

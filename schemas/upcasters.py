@@ -46,7 +46,7 @@ def upcast(payload: Payload, current_version: int) -> Payload:
     if version > current_version:
         raise UpcastError(f"{kind}: schema_version {version} is newer than this code's {current_version}; upgrade")
     while version < current_version:
-        step = UPCASTERS.get((kind, version))
+        step = UPCASTERS.get((kind, version)) if isinstance(kind, str) else None
         if step is None:
             raise UpcastError(f"{kind}: no upcaster from schema_version {version} to {version + 1}")
         payload = step(dict(payload))

@@ -83,7 +83,7 @@ def _docker_engine_answers() -> str | None:
         import docker
 
         docker.from_env(timeout=5).ping()
-    except Exception as exc:  # docker raises several unrelated types when no daemon is reachable
+    except Exception as exc:  # noqa: BLE001 - docker raises several unrelated types when no daemon answers
         return f"no Docker engine answers ({type(exc).__name__}: {exc})"
     return None
 

@@ -29,6 +29,7 @@ from pipeline.rl.batching import ClosedStep, StepCollector
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
+    PolicyVersion,
     WarmStart,
     actor_batch,
     checkpoints_root,
@@ -184,7 +185,7 @@ class ActorTrainer(Worker):
                  event.metrics.get("rollout/success_guided", float("nan")),
                  event.metrics.get("rollout/success_free", float("nan")))
 
-    def publish_version(self, version, io: WorkerIO) -> None:  # type: ignore[no-untyped-def]
+    def publish_version(self, version: PolicyVersion, io: WorkerIO) -> None:
         for event in events_of(version):
             io.publish(event)
         io.commit()

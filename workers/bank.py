@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from infra.db import transient_database_errors
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.snapshots import restore_newest, snapshots_root, write_snapshot
-from pipeline.bank.state import Applied, BankState, Rejected
+from pipeline.bank.state import Applied, BankState, ExperienceOp, Rejected
 from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import WorkerContext
@@ -124,6 +124,7 @@ class BankProjection(Worker):
             if event.role == "extractor":
                 self.usage.batches += [(event.step, event_id) for event_id in event.batch_event_ids]
             return ()
+        assert isinstance(event, ExperienceOp)  # the op log is the one consumed topic left
         if self.log_id is None:
             self.log_id = origin.log_id
         elif origin.log_id != self.log_id:
@@ -132,7 +133,7 @@ class BankProjection(Worker):
                 f"{origin.log_id} (a restarted embedded broker or a re-created topic). Use a new run directory; "
                 "`crl replay bank` rebuilds a bank from an archive."
             )
-        outcome = self.state.apply(event, origin.offset)  # type: ignore[arg-type]
+        outcome = self.state.apply(event, origin.offset)
         if isinstance(outcome, Rejected):
             log.info("op %s at offset %d rejected: %s", outcome.op_id, origin.offset, outcome.reason)
         elif isinstance(outcome, Applied):

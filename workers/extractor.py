@@ -35,15 +35,17 @@ import logging
 import time
 import zlib
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.replica import BankReplica
 from pipeline.bank.retrieval import query_text
+from pipeline.errors import ParseError
 from pipeline.extractor.ops import OpAuthor, Shown, distill_ops, eviction_ops, generation_record, merge_ops
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
     EXTRACTOR_SYSTEM,
-    ParseError,
+    DistillOp,
     TrajectoryDigest,
     distill_generation_id,
     distill_prompt,
@@ -66,6 +68,9 @@ from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested
 from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, POLICY, TRAJECTORIES
 from schemas.trajectories import TrajectoryCompleted
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +101,7 @@ class Extractor(Worker):
         self.version = -1
         self.calls = 0
         self.replica: BankReplica | None = None
-        self.encoder = None
+        self.encoder: SentenceTransformer | None = None
         self.held: list[tuple[TrajectoryCompleted | MergeRequested, Origin]] = []
         """Trajectories to distil and merges to run, in arrival order, with where they were read."""
         self._last_wait_log = 0.0
@@ -125,8 +130,8 @@ class Extractor(Worker):
     def handle(self, event: Event, origin: Origin) -> list[Event]:
         if self.arm == "grpo" or event.run_id != self.run_id:
             return []
-        if isinstance(event, TrajectoryCompleted) and self._distils(event) or isinstance(event, MergeRequested):
-            self.held.append((event, origin))  # type: ignore[arg-type]
+        if (isinstance(event, TrajectoryCompleted) and self._distils(event)) or isinstance(event, MergeRequested):
+            self.held.append((event, origin))
         return []
 
     def committable(self, positions: dict[Position, int]) -> dict[Position, int]:
@@ -219,11 +224,12 @@ class Extractor(Worker):
         self._sync()
         shown = [self._shown(t) for t in trajectories]
         prompts = [distill_prompt(TrajectoryDigest.of(t), [e.text for e in shown_t], max_ops=s.max_ops,
-                                  max_actions=s.max_actions_shown) for t, shown_t in zip(trajectories, shown)]
+                                  max_actions=s.max_actions_shown)
+                   for t, shown_t in zip(trajectories, shown, strict=True)]
         started = time.perf_counter()
         generations = self._generate(prompts)
         seconds = time.perf_counter() - started
-        parsed_all: list[tuple[list, str | None]] = []
+        parsed_all: list[tuple[list[DistillOp], str | None]] = []
         for shown_t, generation in zip(shown, generations, strict=True):
             try:
                 parsed_all.append((parse_distill(generation.text, len(shown_t), max_ops=s.max_ops,
@@ -231,9 +237,10 @@ class Extractor(Worker):
             except ParseError as exc:
                 parsed_all.append(([], str(exc)))
         # Keys only for trajectories that add an experience: one encode call for the batch.
-        adding = [t for t, (parsed, _) in zip(trajectories, parsed_all) if any(op.op == "add" for op in parsed)]
+        adding = [t for t, (parsed, _) in zip(trajectories, parsed_all, strict=True)
+                  if any(op.op == "add" for op in parsed)]
         keys = dict(zip([t.trajectory_id for t in adding], self._keys(
-            [query_text(t.goal, t.turns[0].observation if t.turns else "") for t in adding])))
+            [query_text(t.goal, t.turns[0].observation if t.turns else "") for t in adding]), strict=True))
         author = self._author()
         added = 0
         for trajectory, shown_t, generation, (parsed, error) in zip(trajectories, shown, generations, parsed_all,

@@ -25,7 +25,14 @@ import time
 
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
-from pipeline.rl.training import PolicyTrainer, WarmStart, checkpoints_root, events_of, unpublished
+from pipeline.rl.training import (
+    PolicyTrainer,
+    PolicyVersion,
+    WarmStart,
+    checkpoints_root,
+    events_of,
+    unpublished,
+)
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
@@ -45,7 +52,8 @@ FROZEN_EXTRACTOR_ARMS = ("static_extractor", "grpo")
 
 
 def extractor_warm_start(settings: Settings) -> WarmStart | None:
-    """Fine-tuning of a freshly built extractor on the rule-based summariser's answers (`extractor_trainer.warm_start`)."""
+    """Fine-tuning of a freshly built extractor on the rule-based summariser's answers
+    (`extractor_trainer.warm_start`)."""
     warm = settings.extractor_trainer.warm_start
     if warm.steps == 0:
         return None
@@ -149,7 +157,7 @@ class ExtractorTrainer(Worker):
         log.info("extractor step %d: loss %.5f, clip %.3f, reward mean %.3f over %d generations", step, result.loss,
                  result.clip_fraction, metrics["extractor/reward_mean"], len(batch.event_ids))
 
-    def publish_version(self, version, io: WorkerIO) -> None:  # type: ignore[no-untyped-def]
+    def publish_version(self, version: PolicyVersion, io: WorkerIO) -> None:
         for event in events_of(version):
             io.publish(event)
         io.commit()

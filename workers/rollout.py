@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.metrics import episode_metrics, summary_line
@@ -43,6 +44,10 @@ from schemas.tasks import EpisodeAssigned
 from schemas.topics import EXPERIENCE_OPS_TOPIC, POLICY, TASKS, TRAJECTORIES
 from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
+
+if TYPE_CHECKING:
+    from pipeline.bank.replica import BankReplica
+    from pipeline.bank.retrieval import Retriever
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,7 @@ class Rollout(Worker):
                                     seed=self.seed_base)
         self.queue: deque[tuple[EpisodeAssigned, Origin]] = deque()
         self.finished_window: list[TrajectoryCompleted] = []
-        self._replica = None
+        self._replica: BankReplica | None = None
         from threadpoolctl import threadpool_limits
 
         # OpenBLAS threads spinning after numpy's exact-search matmul slow torch in the same process (~1.6x).
@@ -133,7 +138,7 @@ class Rollout(Worker):
     def _admit(self) -> None:
         if self.player.policy is None or self._newer_version() is not None:
             return  # nothing loaded yet, or a newer version waits for the episodes in flight to finish
-        admitted = []
+        admitted: list[tuple[EpisodeAssigned, Position, int]] = []
         while self.queue and len(self.player.active) + len(admitted) < self.settings.max_concurrent_episodes:
             assignment, origin = self.queue[0]
             if assignment.policy_version > self.player.version:
@@ -144,20 +149,20 @@ class Rollout(Worker):
             self.player.retriever = self._retriever()
         self.player.start(admitted)
 
-    def _retriever(self):  # type: ignore[no-untyped-def]
+    def _retriever(self) -> Retriever:
         """The bank replica and the encoder, built when the first guided episode arrives (warm-up needs neither)."""
         from pipeline.bank.embeddings import load_sentence_encoder
         from pipeline.bank.replica import BankReplica
         from pipeline.bank.retrieval import Retriever
 
         settings = self.context.settings
-        self._replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
-                                    settings.run_dir, settings.bank.exact_threshold,
-                                    run_id=settings.resolved_run_id).start()
-        if not self._replica.wait_caught_up(self.settings.replica_wait_s):
+        replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
+                              settings.run_dir, settings.bank.exact_threshold, run_id=settings.resolved_run_id).start()
+        self._replica = replica
+        if not replica.wait_caught_up(self.settings.replica_wait_s):
             log.warning("bank replica not caught up after %.1fs; serving from offset %d (recorded per episode)",
-                        self.settings.replica_wait_s, self._replica.offset)
-        return Retriever(self._replica, load_sentence_encoder(settings.embedding.model), settings.retrieval)
+                        self.settings.replica_wait_s, replica.offset)
+        return Retriever(replica, load_sentence_encoder(settings.embedding.model), settings.retrieval)
 
     def _log_metrics(self, finished: list[TrajectoryCompleted]) -> None:
         self.finished_window += finished

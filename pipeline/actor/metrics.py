@@ -30,7 +30,8 @@ def episode_metrics(trajectories: Iterable[TrajectoryCompleted], prefix: str) ->
         metrics[f"{prefix}/{scope}/success"] = len(solved) / len(members)
         if solved:
             metrics[f"{prefix}/{scope}/actions_per_solved"] = sum(t.num_actions for t in solved) / len(solved)
-        metrics[f"{prefix}/{scope}/invalid_rate"] = sum(t.invalid_actions for t in members) / actions if actions else 0.0
+        invalid = sum(t.invalid_actions for t in members)
+        metrics[f"{prefix}/{scope}/invalid_rate"] = invalid / actions if actions else 0.0
     return metrics
 
 

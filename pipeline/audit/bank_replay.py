@@ -19,11 +19,11 @@ from infra.kafka import KafkaSettings
 from pipeline.audit.views import Audit
 from pipeline.bank.replay import Checkpoint, ReplayResult, replay
 from pipeline.bank.snapshots import restore_newest, snapshots_root
-from pipeline.bank.state import ExperienceOp
+from pipeline.bank.state import ExperienceOp, decode_op
 from pipeline.bank.store import BankStore
 from pipeline.errors import ConfigError, HashMismatchError
 from pipeline.runtime.log import KafkaLog
-from schemas.codec import EventDecodeError, decode
+from schemas.codec import EventDecodeError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 
@@ -58,7 +58,7 @@ def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, Experien
             f"WHERE log_id = '{log_id.replace(chr(39), '')}' GROUP BY \"offset\" ORDER BY \"offset\""
         )
     for offset, payload in rows:
-        yield offset, decode(EXPERIENCE_OPS_TOPIC, payload.encode())  # type: ignore[misc]
+        yield offset, decode_op(payload.encode())
 
 
 def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, ExperienceOp]]:
@@ -66,10 +66,10 @@ def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterato
     passed over, as the bank worker did (it dead-lettered it; the archive holds the dead letter, not an op)."""
     for record in KafkaLog(kafka, client_id="crl-replay").iterate_to_end(EXPERIENCE_OPS_TOPIC, idle_timeout_s):
         try:
-            op = decode(EXPERIENCE_OPS_TOPIC, record.value)
+            op = decode_op(record.value)
         except EventDecodeError:
             continue
-        yield record.offset, op  # type: ignore[misc]
+        yield record.offset, op
 
 
 @dataclass
@@ -93,6 +93,7 @@ def replay_bank(run_dir: Path, store: BankStore, kafka: KafkaSettings | None = N
     """Replay the op log of `run_dir` (from the archive, or from `kafka` when given) and compare it with the live SQL
     bank in `store` and the newest snapshot."""
     live = store.position(EXPERIENCE_OPS_TOPIC.name, 0)
+    chosen: str | None
     if kafka is not None:
         chosen = KafkaLog(kafka, client_id="crl-replay").log_id(EXPERIENCE_OPS_TOPIC)
         ops = ops_from_kafka(kafka)

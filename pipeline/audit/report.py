@@ -3,9 +3,10 @@
     crl report runs/demo                                   # writes runs/demo/report/report.html and its PNGs
     crl report runs/comp runs/grpo --out runs/comparison   # several runs: --out is required
 
-Everything comes from the run's archive through `pipeline.audit.views.Audit` (the `trajectories` and `train_steps` views,
-the per-kind views, and the replayed experience views for the bank), so a report can be made for any run, finished
-or not, with no broker and no SQL bank. The arm is `RunStarted.config["scheduler"]["arm"]` ("unknown" without one).
+Everything comes from the run's archive through `pipeline.audit.views.Audit` (the `trajectories` and `train_steps`
+views, the per-kind views, and the replayed experience views for the bank), so a report can be made for any run,
+finished or not, with no broker and no SQL bank. The arm is `RunStarted.config["scheduler"]["arm"]` ("unknown"
+without one).
 
 Figures (PNG, steps on the x axis, drawn with matplotlib's Agg canvas, no display needed):
 - `success.png`: success rate per step of train episodes (guided, free) and of eval episodes (guided, free);
@@ -298,15 +299,17 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
+def _success_lines(split: str) -> Lines:
+    return lambda run: [(name, run.curves.success[f"{split} {name}"]) for name in ("guided", "free")]
+
+
 def draw_figures(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
     """Write the five PNGs into `out_dir`; returns name -> path, in page order."""
     paths: dict[str, Path] = {}
 
     figure, (train, evaluation) = _figure(2)
     for axes, split in ((train, "train"), (evaluation, "eval")):
-        _draw(axes, f"{split} success", "success rate", runs,
-              lambda run, split=split: [(name, run.curves.success[f"{split} {name}"]) for name in ("guided", "free")],
-              unit_range=True)
+        _draw(axes, f"{split} success", "success rate", runs, _success_lines(split), unit_range=True)
     paths["success"] = _save(figure, out_dir / "success.png")
 
     figure, (actions, invalid) = _figure(2)

@@ -4,11 +4,12 @@
     crl replay train runs/demo --role extractor
 
 For each role: load version 0 from the checkpoint its `PolicyPublished` names (sha256 checked), with the trainer
-settings recorded in it; then, in version order, rebuild every `TrainStepCompleted`'s batch from the archived events
-it lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: the same optimiser construction
-and step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded ones. The actor's advantages are
-recomputed from the trajectories and must equal the recorded ones; the extractor's depend on which outcomes had
-arrived when it trained, so the recorded ones are used. The first mismatch stops the replay and names the step.
+settings recorded in it; then, in version order, rebuild every `TrainStepCompleted`'s batch from the archived events it
+lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: the same optimiser construction and
+step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded
+ones. The actor's advantages are recomputed from the trajectories and must equal the recorded ones; the extractor's
+depend on which outcomes had arrived when it trained, so the recorded ones are used. The first mismatch stops the replay
+and names the step.
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ Run views (`RUN_VIEWS`), plain SQL over the per-kind views, one row per event, f
   loss and weight_hash_after of the TrainStepCompleted with the same role and policy_version (NULL for version 0,
   the initial checkpoint).
 
-Experience views, made by replaying the op log the first time a query reads one of them (the same `replay` as `crl replay bank`, over
-the records of the most recently written op log in the archive, which is the log `crl replay bank` picks when the
-bank has no live position; the log's id is `Audit.op_log_id`). DuckDB cannot run the bank's rules, and a replay
-agrees with the bank by construction: rejected ops (version conflicts, retired or unknown targets) and repeated op
-ids are in none of them. An archive without ops gives empty views. The replay runs at most once per `Audit` (about
-a second per 10,000 ops), and not at all for queries that do not name these views; they are listed in
-`EXPERIENCE_VIEWS`, apart from `Audit.view_names()`.
+Experience views, made by replaying the op log the first time a query reads one of them (the same `replay` as `crl
+replay bank`, over the records of the most recently written op log in the archive, which is the log `crl replay bank`
+picks when the bank has no live position; the log's id is `Audit.op_log_id`). DuckDB cannot run the bank's rules, and a
+replay agrees with the bank by construction: rejected ops (version conflicts, retired or unknown targets) and repeated
+op ids are in none of them. An archive without ops gives empty views. The replay runs at most once per `Audit` (about a
+second per 10,000 ops), and not at all for queries that do not name these views; they are listed in `EXPERIENCE_VIEWS`,
+apart from `Audit.view_names()`.
 - `experience_history`: one row per version of an experience, in log order: experience_id, version, text, op_kind,
   op_id, op_offset (offset in crl.experience-ops), generation_id, extractor_version, source_trajectory_ids (JSON,
   the trajectories this op read), occurred_at (of the op). Adds and merges make version 1, refines the next one;
@@ -64,10 +64,9 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.audit.archive import ARCHIVE_SCHEMA, archive_root, segment_files
-from pipeline.bank.state import BankState, ExperienceOp
+from pipeline.bank.state import BankState, ExperienceOp, decode_op
 from pipeline.errors import AuditQueryError
 from schemas.base import Event, snake_case
-from schemas.codec import decode
 from schemas.topics import EVENT_TYPES, EXPERIENCE_OPS_TOPIC
 
 ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -370,7 +369,7 @@ class Audit:
             [log_id],
         ).fetchall()
         for offset, payload in rows:
-            yield offset, decode(EXPERIENCE_OPS_TOPIC, payload.encode())  # type: ignore[misc]
+            yield offset, decode_op(payload.encode())
 
     def _create_experience_views(self) -> None:
         from pipeline.bank.replay import replay
@@ -395,7 +394,7 @@ class Audit:
     @staticmethod
     def view_names() -> list[str]:
         """`events` and the per-kind views (the others are `RUN_VIEWS` and `EXPERIENCE_VIEWS`)."""
-        return ["events"] + sorted(snake_case(kind) for kind in EVENT_TYPES)
+        return ["events", *sorted(snake_case(kind) for kind in EVENT_TYPES)]
 
     def query(self, sql: str, parameters: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only statement (with `?` placeholders bound to `parameters`); returns (column names, rows)."""

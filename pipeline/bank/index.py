@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import usearch
@@ -53,6 +53,15 @@ GRAPH_DTYPES = ("i8", "f16", "bf16", "f32")
 """USearch scalar kinds a graph may store its vectors in."""
 _COMPACT_MIN_DEAD = 64
 """Dead rows an HNSW family's matrix keeps before it is compacted (and only once they outnumber the live ones)."""
+
+
+class HnswOptions(TypedDict, total=False):
+    """The graph settings `ExperienceIndex.build` passes through to the constructor."""
+
+    connectivity: int
+    expansion_add: int
+    expansion_search: int
+    graph_dtype: str
 
 
 @dataclass
@@ -153,7 +162,8 @@ def _unit_rows(vectors: np.ndarray, dim: int, what: str) -> np.ndarray:
     """`vectors` (N, dim) as float32 unit rows; a wrong width, a non-finite value or a zero row is a ValueError."""
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         width = vectors.shape[-1] if vectors.ndim else 0
-        raise InvalidArgumentError(f"{what} has {width} dimensions (shape {vectors.shape}), but this index holds {dim}-d vectors")
+        raise InvalidArgumentError(f"{what} has {width} dimensions (shape {vectors.shape}), but this index holds "
+                                   f"{dim}-d vectors")
     if not np.issubdtype(vectors.dtype, np.floating):
         raise InvalidArgumentError(f"{what} must be floating point, not {vectors.dtype}")
     wide = vectors.astype(np.float64)
@@ -219,7 +229,7 @@ class ExperienceIndex:
 
     @classmethod
     def build(cls, items: Iterable[tuple[str, str, np.ndarray]], dim: int, exact_threshold: int = 10_000,
-              **hnsw: int) -> ExperienceIndex:
+              **hnsw: Unpack[HnswOptions]) -> ExperienceIndex:
         """An index of `items` (experience_id, task_family, key), added in the given (canonical) order.
 
         Each family's graph, if it needs one, is built once at the end from its vectors in that order.
@@ -239,7 +249,8 @@ class ExperienceIndex:
             # One normalisation per family: row by row it computes exactly what `add` computes for one vector.
             shapes = {vector.shape for vector in keys[task_family]}
             if len(shapes) != 1 or len(next(iter(shapes))) != 1:
-                raise InvalidArgumentError(f"keys of {task_family!r} must all be ({dim},) vectors, got shapes {sorted(shapes)}")
+                raise InvalidArgumentError(f"keys of {task_family!r} must all be ({dim},) vectors, got shapes "
+                                           f"{sorted(shapes)}")
             vectors = _unit_rows(np.stack(keys[task_family]), index.dim, f"keys of {task_family!r}")
             family = index._families[task_family] = _Family(index.dim)
             family.extend(ids[task_family], vectors)
@@ -265,7 +276,8 @@ class ExperienceIndex:
             raise InvalidArgumentError("experience_id and task_family must be str")
         key = np.asarray(key)
         if key.ndim != 1:
-            raise InvalidArgumentError(f"key of {experience_id!r} must be one ({self.dim},) vector, got shape {key.shape}")
+            raise InvalidArgumentError(f"key of {experience_id!r} must be one ({self.dim},) vector, got shape "
+                                       f"{key.shape}")
         vector = _unit_rows(key[None, :], self.dim, f"key of {experience_id!r}")
         touched = []
         if experience_id in self._family_of:
@@ -369,6 +381,7 @@ class ExperienceIndex:
     def _search_graph(family: _Family, batch: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(q, count) keys and cosines re-scored in float32, best first; key -1 where the graph found fewer."""
         # Twice the candidates, re-scored: the i8 graph's distances are coarse near the k-th place.
+        assert family.graph is not None  # `search` sends only families in graph mode here
         wanted = min(2 * count, family.active)
         matches = family.graph.search(batch, wanted, threads=1)  # one thread: no pool start-up for a few queries
         found = np.asarray(matches.keys, dtype=np.int64).reshape(len(batch), -1)  # (q, count)
@@ -455,8 +468,8 @@ class ExperienceIndex:
             family = index._families[name] = _Family(index.dim)
             for (experience_id, key), vector in zip(entries, vectors, strict=True):
                 if key < family.next_key or experience_id in index._family_of:
-                    raise InvalidArgumentError(f"{directory / MANIFEST}: entry {experience_id!r} -> {key} is out of order or "
-                                     "repeated")
+                    raise InvalidArgumentError(f"{directory / MANIFEST}: entry {experience_id!r} -> {key} is out of "
+                                               "order or repeated")
                 family.next_key = key  # keys were handed out ascending; gaps are removed experiences
                 family.append(experience_id, vector)
                 index._family_of[experience_id] = name

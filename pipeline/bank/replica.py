@@ -28,11 +28,11 @@ import numpy as np
 
 from pipeline.bank.index import ExperienceIndex
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
-from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome
+from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome, decode_op
 from pipeline.errors import InvalidStateError
 from pipeline.runtime.log import Follow, FollowedView, Follower
 from pipeline.runtime.transport import Record
-from schemas.codec import EventDecodeError, decode
+from schemas.codec import EventDecodeError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 log = logging.getLogger(__name__)
@@ -201,11 +201,11 @@ class BankReplica(LocalBank, FollowedView):
 
     def _on_record(self, record: Record) -> None:
         try:
-            op = decode(EXPERIENCE_OPS_TOPIC, record.value)
+            op = decode_op(record.value)
         except EventDecodeError:
             self.skipped += 1
         else:
-            self.apply(op, record.offset)  # type: ignore[arg-type]
+            self.apply(op, record.offset)
 
     def caught_up(self) -> bool:
         """True once every op up to the high watermark last seen is applied."""

@@ -54,7 +54,8 @@ from schemas.trajectories import ExperienceRef
 class SentenceEncoder(Protocol):
     """What retrieval needs from an embedding model; a `SentenceTransformer` is one."""
 
-    def encode(self, sentences: list[str], convert_to_numpy: bool = ..., normalize_embeddings: bool = ...) -> Any: ...
+    def encode(self, sentences: list[str], /, *, convert_to_numpy: bool = ...,
+               normalize_embeddings: bool = ...) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class Retriever:
     def _serve(self, batch: list[_Request]) -> None:
         try:
             results = self.retrieve_many([(request.text, request.task_family) for request in batch])
-        except BaseException as exc:  # every caller in the batch gets it; the batcher lives on for the next batch
+        except BaseException as exc:  # noqa: BLE001 - every caller in the batch gets it; the batcher lives on
             for request in batch:
                 request.future.set_exception(exc)
             return

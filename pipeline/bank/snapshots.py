@@ -50,7 +50,8 @@ def _fsync_tree(directory: Path) -> None:
         fsync_directory(folder)
 
 
-def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: int = 10_000) -> tuple[Path, SnapshotManifest]:
+def write_snapshot(root: Path, state: BankState, log_id: str,
+                   exact_threshold: int = 10_000) -> tuple[Path, SnapshotManifest]:
     """Write `state` (and an index of its active experiences) as the snapshot at `state.next_offset`."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{state.next_offset:012d}"

@@ -39,10 +39,19 @@ import numpy as np
 
 from pipeline.errors import HashMismatchError, InvalidArgumentError
 from schemas.arrays import EmbeddingVector
+from schemas.codec import decode
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
+from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 ExperienceOp = ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired
 Status = Literal["active", "retired"]
+
+
+def decode_op(data: bytes | None) -> ExperienceOp:
+    """One record value of the op log, decoded (raises `EventDecodeError` as `decode` does)."""
+    op = decode(EXPERIENCE_OPS_TOPIC, data)
+    assert isinstance(op, ExperienceOp)  # the topic's registry holds the four op kinds only
+    return op
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,13 @@ from `load_state()` therefore treats a re-delivered op as new; to continue apply
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, RowMapping, func, select, update
+from sqlalchemy import Connection, Engine, RowMapping, Table, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from infra.db import (
@@ -54,7 +54,10 @@ from pipeline.errors import (
 )
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
-_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+# The dialects' own `insert`s: the generic one has no ON CONFLICT clause.
+_INSERTS: dict[str, Callable[[Table], postgresql.Insert | sqlite.Insert]] = {
+    "postgresql": postgresql.insert, "sqlite": sqlite.insert,
+}
 
 # Ids per `IN (...)` list: well below SQLite's bound-parameter limit, whatever the batch size.
 _IDS_PER_QUERY = 500
@@ -118,7 +121,8 @@ class BankStore:
     def __init__(self, engine: Engine) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise InvalidArgumentError(f"BankStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise InvalidArgumentError(f"BankStore does not support the {dialect!r} database; use one of "
+                                       f"{sorted(_INSERTS)}")
         self.engine = engine
         insert = _INSERTS[dialect]
 
@@ -267,7 +271,7 @@ class BankStore:
         for chunk in _chunks(ids, _IDS_PER_QUERY):
             query = (select(columns.experience_id, func.max(columns.version))
                      .where(columns.experience_id.in_(chunk)).group_by(columns.experience_id))
-            stored.update({experience_id: top for experience_id, top in connection.execute(query)})
+            stored.update(dict(connection.execute(query).tuples().all()))
         return [
             {
                 "experience_id": experience_id, "version": version.version, "text": version.text,
@@ -359,7 +363,8 @@ class BankStore:
         state = BankState()
         key_spaces = sorted({(row["key_model"], row["key_dim"]) for row in rows})
         if len(key_spaces) > 1:
-            raise InvalidArgumentError(f"the stored bank mixes key spaces {key_spaces}; a bank's keys come from one model")
+            raise InvalidArgumentError(f"the stored bank mixes key spaces {key_spaces}; a bank's keys come from one "
+                                       "model")
         if key_spaces:
             state.key_model, state.key_dim = key_spaces[0]
             if key_model is not None and key_model != state.key_model:

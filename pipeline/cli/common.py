@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -116,7 +116,7 @@ def with_exit_codes(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class LogLevel(str, Enum):
+class LogLevel(StrEnum):
     debug = "debug"
     info = "info"
     warning = "warning"
@@ -139,7 +139,7 @@ def broker_admin(run_dir: Path | None) -> Iterator[Any]:
         admin.close()
 
 
-class BrokerChoice(str, Enum):
+class BrokerChoice(StrEnum):
     tansu = "tansu"
     kafka = "kafka"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -51,7 +51,7 @@ def bank_command(
     report.check()
 
 
-class TrainRole(str, Enum):
+class TrainRole(StrEnum):
     actor = "actor"
     extractor = "extractor"
 
@@ -69,7 +69,7 @@ def train_command(
     for chosen in [role.value] if role is not None else ["actor", "extractor"]:
         table = Table("role", "step", "version", "recorded", "replay", "match")
 
-        def row(check: StepCheck, chosen: str = chosen) -> None:
+        def row(check: StepCheck, chosen: str = chosen, table: Table = table) -> None:
             table.add_row(chosen, str(check.step), str(check.version), check.recorded[:16], check.replayed[:16],
                           "[green]yes[/green]" if check.ok else "[red]NO[/red]")
 

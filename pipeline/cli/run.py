@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,7 +20,7 @@ from pipeline.cli.common import (
 from pipeline.settings import Settings
 
 
-class ArmChoice(str, Enum):
+class ArmChoice(StrEnum):
     complementary = "complementary"
     grpo = "grpo"
     static_extractor = "static_extractor"
@@ -54,10 +54,10 @@ def run(
         return
     if config is None:
         raise fail("give a run config (e.g. configs/tiny-minihack-room.yaml), or --resume RUN_DIR", 2)
-    scheduler = {"steps": steps} if steps is not None else {}
+    scheduler: dict[str, Any] = {"steps": steps} if steps is not None else {}
     if arm is not None:
         scheduler["arm"] = arm.value
-    overrides: dict[str, object] = {"scheduler": scheduler}
+    overrides: dict[str, Any] = {"scheduler": scheduler}
     if broker_kind is not None:
         overrides["broker"] = {"kind": broker_kind.value}
     # This is the settings edge: the options override the config and the CRL_* variables; the workers read the
@@ -86,8 +86,8 @@ def _supervise(settings: Settings, report: bool, resume: bool) -> None:
         from pipeline.audit.report import summary_line, write_report
 
         written = write_report([settings.run_dir])
-        for line in written.runs:
-            console.print(summary_line(line), markup=False, highlight=False, soft_wrap=True)
+        for summary in written.runs:
+            console.print(summary_line(summary), markup=False, highlight=False, soft_wrap=True)
         console.print(f"report: {written.html}")
     some = next((e.experience_id for e in progress.bank.experiences.values() if len(e.history) > 1), None) or \
         next(iter(progress.bank.experiences), "EXPERIENCE_ID")

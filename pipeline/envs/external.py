@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
+from pipeline.envs.base import ActResult, InvalidActionRule, StepOutcome, TextEnv
 from pipeline.errors import EnvUnavailableError
 
 ALFWORLD_HINT = ("pip install 'alfworld[full]' && alfworld-download (game files, ~2 GB), then point "
@@ -60,7 +60,7 @@ class AlfWorldEnv(TextEnv):
         self._games = sorted(AlfredTWEnv(config, train_eval=split_name).game_files)
         if not self._games:
             raise _missing(self.env_id, f"no game files for split {split_name} under {data_dir}", ALFWORLD_HINT)
-        self._textworld, self._wrappers = textworld, [AlfredDemangler(), AlfredInfos()]
+        self._wrappers = [AlfredDemangler(), AlfredInfos()]
         self._infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
         self._env: Any = None
         self._admissible: tuple[str, ...] = ()
@@ -141,7 +141,7 @@ class WebShopEnv(TextEnv):
         self._last, reward, done, _info = self._env.step(action if action != "search[" else self._pending_search)
         return ActResult(self._last, solved=bool(done) and float(reward) >= 1.0, lost=bool(done) and reward < 1.0)
 
-    def step(self, action_text: str):  # type: ignore[no-untyped-def]
+    def step(self, action_text: str) -> StepOutcome:
         line = next((part.strip() for part in action_text.splitlines() if part.strip()), "")
         self._pending_search = line if line.lower().startswith("search[") and line.endswith("]") else "search[]"
         return super().step(action_text)
@@ -197,7 +197,7 @@ class SweBenchEnv(TextEnv):
         self._last = f"Repository: {instance['repo']} at /testbed\nIssue:\n{instance['problem_statement']}"
         return f"resolve the issue in {instance['repo']}", self._last
 
-    def step(self, action_text: str):  # type: ignore[no-untyped-def]
+    def step(self, action_text: str) -> StepOutcome:
         # Tool calls carry an argument after the tool's name: keep it for `_act`.
         line = next((part.strip() for part in action_text.splitlines() if part.strip()), "")
         self._argument = line.partition(" ")[2]

@@ -92,16 +92,18 @@ class MiniHackEnv(TextEnv):
         self.kind = kind
         self._env = gym.make(env_id, observation_keys=(
             "chars", "message", "screen_descriptions", "blstats", "inv_strs", "inv_letters", "glyphs"))
-        self._actions = tuple(ACTION_WORDS[action.name] for action in self._env.unwrapped.actions)
+        # NLE's own env class (`actions`, a three-argument `seed`) hides behind gymnasium's generic `Env`.
+        self._actions = tuple(
+            ACTION_WORDS[action.name] for action in self._env.unwrapped.actions)  # type: ignore[attr-defined]
         self._index = {word: i for i, word in enumerate(self._actions)}
-        self._last: dict = {}
+        self._last: dict[str, np.ndarray] = {}
 
     def available_actions(self) -> tuple[str, ...]:
         return self._actions
 
     def _reset(self, seed: int) -> tuple[str, str]:
         core, disp = nle_seeds(seed)
-        self._env.unwrapped.seed(core, disp, reseed=False)
+        self._env.unwrapped.seed(core, disp, reseed=False)  # type: ignore[attr-defined]  # NLE's, as above
         self._last, _ = self._env.reset()
         return GOALS[self.kind], self._describe(self._last)
 
@@ -137,7 +139,7 @@ class MiniHackEnv(TextEnv):
     # -- text -------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _crop(observation: dict) -> tuple[str, int, int, np.ndarray]:
+    def _crop(observation: dict[str, np.ndarray]) -> tuple[str, int, int, np.ndarray]:
         chars = observation["chars"]
         rows, cols = np.nonzero(chars != ord(" "))
         if rows.size == 0:
@@ -147,7 +149,7 @@ class MiniHackEnv(TextEnv):
         text = "\n".join(bytes(row).decode("latin-1").rstrip() for row in box)
         return text, top, left, box
 
-    def _describe(self, observation: dict) -> str:
+    def _describe(self, observation: dict[str, np.ndarray]) -> str:
         text, top, left, box = self._crop(observation)
         descriptions = observation["screen_descriptions"]
         agent_x, agent_y = int(observation["blstats"][0]), int(observation["blstats"][1])

@@ -71,11 +71,12 @@ def solve(walls: frozenset[Cell], targets: frozenset[Cell], boxes: frozenset[Cel
                 continue
             parents[nxt] = (state, move)
             if nxt[0] == targets:
-                path = []
-                node: tuple[frozenset[Cell], Cell] | None = nxt
-                while parents[node] is not None:  # type: ignore[index]
-                    node, move_taken = parents[node]  # type: ignore[misc]
+                path: list[str] = []
+                link = parents[nxt]
+                while link is not None:
+                    node, move_taken = link
                     path.append(move_taken)
+                    link = parents[node]
                 return tuple(reversed(path))
             queue.append(nxt)
     return None

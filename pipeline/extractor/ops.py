@@ -22,7 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pipeline.errors import InvalidArgumentError
 from pipeline.extractor.protocol import (
@@ -75,7 +75,7 @@ class OpAuthor:
     producer: Producer
     extractor_version: int
 
-    def op_fields(self, generation_id: str, index: int) -> dict:
+    def op_fields(self, generation_id: str, index: int) -> dict[str, Any]:
         """The fields every op of a generation shares, with the op id of its `index`-th op."""
         return dict(run_id=self.run_id, producer=self.producer, op_id=op_id(generation_id, index),
                     generation_id=generation_id, extractor_version=self.extractor_version)
@@ -94,7 +94,8 @@ def distill_ops(author: OpAuthor, generation_id: str, trajectory: TrajectoryComp
             ops.append(ExperienceAdded(**common, text=op.text, experience_id=new_experience_id(generation_id, index),
                                        task_family=trajectory.task_family, key=key, source_trajectory_ids=sources))
         else:
-            target = shown[op.alias - 1]  # type: ignore[operator]
+            assert op.alias is not None  # `parse_distill` gives every refine the shown experience it rewrites
+            target = shown[op.alias - 1]
             ops.append(ExperienceRefined(**common, text=op.text, experience_id=target.experience_id,
                                          expected_version=target.version, source_trajectory_ids=sources))
     return ops

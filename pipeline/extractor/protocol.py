@@ -33,7 +33,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pipeline.errors import ParseError
 from schemas.trajectories import TrajectoryCompleted
@@ -144,7 +144,7 @@ def _answer_list(response: str) -> list[object]:
     return value
 
 
-def _text(item: dict, max_chars: int) -> str:
+def _text(item: dict[str, Any], max_chars: int) -> str:
     text = item.get("text")
     if not isinstance(text, str) or not text.strip():
         raise ParseError(f"op {item.get('op')!r} needs a non-empty text")
@@ -161,7 +161,7 @@ def _alias(value: object, shown: int) -> int:
     return value
 
 
-def _keys(item: object, allowed: dict[str, set[str]]) -> dict:
+def _keys(item: object, allowed: dict[str, set[str]]) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise ParseError(f"every op must be a JSON object, got {type(item).__name__}")
     op = item.get("op")
@@ -216,7 +216,7 @@ def parse_merge(response: str, entries: int, *, max_chars: int) -> list[MergeOp]
     return ops
 
 
-def render_answer(ops: Sequence[dict], reasoning: str = "") -> str:
+def render_answer(ops: Sequence[dict[str, Any]], reasoning: str = "") -> str:
     """An answer in the format the parsers accept (what the rule-based summariser writes)."""
     body = json.dumps(list(ops), ensure_ascii=False)
     return f"{reasoning}<answer>{body}</answer>"

@@ -27,9 +27,9 @@ of the user text itself, as before. Generation stops at the model's end-of-turn 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -99,7 +99,8 @@ class PolicyModel(ABC):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens skipped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        # One sequence in, one string out: transformers types `decode` for batches too (`str | list[str]`).
+        return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     @property
     def chat(self) -> bool:
@@ -113,8 +114,9 @@ class PolicyModel(ABC):
             return self.encode(user)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(token) for token in ids]
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+        # One conversation, tokenized: a flat list of ids (the declared union also covers batches and text).
+        return [int(token) for token in cast("list[int]", ids)]
 
     def response_ids(self, text: str) -> list[int]:
         """A supervised target response: the ids of `text`, then, for a chat model, its end-of-turn token."""

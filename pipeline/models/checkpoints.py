@@ -61,9 +61,9 @@ class CheckpointInfo:
 @dataclass
 class LoadedCheckpoint:
     policy: TransformersPolicy
-    manifest: dict
+    manifest: dict[str, Any]
     optimizer_tensors: dict[str, torch.Tensor] | None
-    optimizer_param_groups: list | None
+    optimizer_param_groups: list[dict[str, Any]] | None
 
 
 # -- hashes -------------------------------------------------------------------------------------------------------
@@ -94,14 +94,14 @@ def manifest_sha256(directory: Path) -> str:
     return file_sha256(path)
 
 
-def _manifest_bytes(manifest: dict) -> bytes:
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, sort_keys=True, indent=1, separators=(",", ": "), allow_nan=False) + "\n").encode()
 
 
 # -- optimiser state ----------------------------------------------------------------------------------------------
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """`optimizer.state_dict()` as flat tensors plus JSON-able param groups.
 
     State values become tensors named `state.<param index>.<key>`; a non-tensor value (a Python float `step`)
@@ -113,7 +113,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
     for index, state in state_dict["state"].items():
         for key, value in state.items():
             tensors[f"state.{index}.{key}"] = _as_tensor(value)
-    groups: list[dict] = []
+    groups: list[dict[str, Any]] = []
     for g, group in enumerate(state_dict["param_groups"]):
         json_group: dict[str, Any] = {}
         for key, value in group.items():
@@ -138,7 +138,7 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 
 def load_optimizer_tensors(
-    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], param_groups: list[dict]
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]]
 ) -> None:
     """Inverse of `optimizer_tensors`: load the state into `optimizer` (built over the same parameters in the same
     order). Afterwards a step gives bit-identical weights to the optimizer that was saved."""
@@ -170,7 +170,7 @@ def _untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each tied tensor kept once, under its first name (transformers' own choice:
     `model.embed_tokens.weight` stays, `lm_head.weight` is re-tied on load)."""
     kept: dict[str, torch.Tensor] = {}
-    seen: set[tuple] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
         identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                     tuple(tensor.stride()))
@@ -186,7 +186,7 @@ def save_checkpoint(
     policy: TransformersPolicy,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    metadata: dict | None = None,
+    metadata: dict[str, Any] | None = None,
     base: CheckpointInfo | None = None,
 ) -> CheckpointInfo:
     """Write `policy` (and `optimizer`'s state) to `directory` atomically. `metadata` must be JSON-able. A LoRA
@@ -228,7 +228,8 @@ def save_checkpoint(
         try:
             manifest_bytes = _manifest_bytes(manifest)
         except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"checkpoint metadata and optimizer param groups must be JSON-able: {exc}") from exc
+            raise InvalidArgumentError(f"checkpoint metadata and optimizer param groups must be JSON-able: "
+                                       f"{exc}") from exc
         (staging / MANIFEST).write_bytes(manifest_bytes)
         for path in staging.iterdir():
             fsync_file(path)
@@ -322,7 +323,7 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
     return _loaded(directory, manifest, policy)
 
 
-def _loaded(directory: Path, manifest: dict, policy: TransformersPolicy) -> LoadedCheckpoint:
+def _loaded(directory: Path, manifest: dict[str, Any], policy: TransformersPolicy) -> LoadedCheckpoint:
     from safetensors.torch import load_file
 
     optimizer_state = None
@@ -332,7 +333,7 @@ def _loaded(directory: Path, manifest: dict, policy: TransformersPolicy) -> Load
                             optimizer_param_groups=manifest["optimizer_param_groups"])
 
 
-def _load_adapter_checkpoint(directory: Path, manifest: dict, device: str,
+def _load_adapter_checkpoint(directory: Path, manifest: dict[str, Any], device: str,
                              reuse: TransformersPolicy | None) -> LoadedCheckpoint:
     """A LoRA version: its adapter on its base (loaded and verified, or the base `reuse` already holds)."""
     from safetensors.torch import load_file

@@ -13,7 +13,7 @@ LoRA version covers the whole assembled model (base and adapter tensors).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -21,6 +21,8 @@ from pipeline.errors import CheckpointError
 from pipeline.models.settings import LoraSettings
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+
     from pipeline.models.transformers_backend import TransformersPolicy
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -41,14 +43,15 @@ def lora_config(settings: LoraSettings) -> dict[str, Any]:
             "seed": settings.seed}
 
 
-def wrap(model: torch.nn.Module, config: dict[str, Any]) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, config: dict[str, Any]) -> PeftModel:
     """`model` with a LoRA adapter of `config` (from `lora_config` or an adapter checkpoint), seeded."""
     from peft import LoraConfig, get_peft_model
 
     options = {key: value for key, value in config.items() if key != "seed"}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(config["seed"]))
-        return get_peft_model(model, LoraConfig(**options))
+        # `PeftMixedModel` only comes back for `mixed=True`
+        return cast("PeftModel", get_peft_model(model, LoraConfig(**options)))
 
 
 def with_lora(policy: TransformersPolicy, settings: LoraSettings) -> TransformersPolicy:

@@ -84,7 +84,7 @@ def _crop(chars: np.ndarray) -> str:
     return "\n".join(bytes(row).decode("latin-1").rstrip() for row in box)
 
 
-def _message(observation: dict) -> str:
+def _message(observation: dict[str, np.ndarray]) -> str:
     return bytes(observation["message"]).rstrip(b"\0").decode("latin-1").strip()
 
 
@@ -103,9 +103,10 @@ def tokenizer_corpus(settings: TinyModelSettings) -> list[str]:
     try:
         for episode in range(settings.corpus_episodes):
             env = envs[episode % len(envs)]
-            actions = [ACTION_NAMES[action.name] for action in env.unwrapped.actions]
+            # NLE's own env class (`actions`, a three-argument `seed`) hides behind gymnasium's generic `Env`.
+            actions = [ACTION_NAMES[action.name] for action in env.unwrapped.actions]  # type: ignore[attr-defined]
             # reset(seed=...) does not seed NetHack itself; these two seeds fix the map and the dynamics.
-            env.unwrapped.seed(rng.randrange(2**31), rng.randrange(2**31), reseed=False)
+            env.unwrapped.seed(rng.randrange(2**31), rng.randrange(2**31), reseed=False)  # type: ignore[attr-defined]
             observation, _ = env.reset()
             lines = [f"Environment: {CORPUS_ENVS[episode % len(envs)]}", "Goal: reach the staircase down"]
             for _ in range(CORPUS_MAX_ACTIONS):
@@ -152,7 +153,7 @@ def build_tiny(
     """The tiny preset's policy: tokenizer trained on `corpus` (default `tokenizer_corpus(settings)`), weights
     initialised from `settings.seed`; float32, no dropout, input and output embeddings tied, pad/eos ids in the
     config. The embedding has one row per token the tokenizer actually has (at most `settings.vocab_size`)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 
     tokenizer = train_tokenizer(tokenizer_corpus(settings) if corpus is None else corpus, settings.vocab_size)
     common = dict(
@@ -162,6 +163,7 @@ def build_tiny(
         tie_word_embeddings=True, attention_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
+    config: PretrainedConfig
     if settings.architecture == "qwen2":
         config = Qwen2Config(**common)
     elif settings.architecture == "llama":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,7 @@ from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
@@ -61,7 +62,7 @@ class TransformersPolicy(PolicyModel):
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | PeftModel,
         tokenizer: PreTrainedTokenizerBase,
         device: str = "cpu",
         micro_batch_size: int = 8,
@@ -69,7 +70,9 @@ class TransformersPolicy(PolicyModel):
         if micro_batch_size <= 0:
             raise InvalidArgumentError(f"micro_batch_size must be positive, got {micro_batch_size}")
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        # transformers decorates `PreTrainedModel.to` with `functools.wraps(Module.to)`, which mypy reads as the
+        # unbound `Module.to` (expecting the module as its first argument).
+        self.model: PreTrainedModel | PeftModel = model.to(self.device)  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -82,7 +85,7 @@ class TransformersPolicy(PolicyModel):
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer_eos + config_eos)
         self.base_checkpoint: str | None = None
         """Manifest sha256 of the full checkpoint the weights (the base, for a LoRA policy) were loaded from."""
-        self.adapter_config: dict | None = None
+        self.adapter_config: dict[str, Any] | None = None
         """The LoRA adapter's configuration (`pipeline.models.lora`), None for a plain model."""
 
     @classmethod

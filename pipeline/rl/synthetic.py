@@ -64,7 +64,7 @@ def synthetic_trajectories(
         turns_played = history[(g, s)]
         success = bool(turns_played[-1].response_token_ids) and turns_played[-1].response_token_ids[0] % 2 == 0
         guided = s < group_size // 2
-        served = ()
+        served: tuple[ExperienceRef, ...] = ()
         if guided and served_generations:
             generation_id = served_generations[guided_seen % len(served_generations)]
             guided_seen += 1

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,8 +82,9 @@ def initial_policy(model: ModelSettings) -> TransformersPolicy:
     return build_tiny(model.tiny, device=model.device)
 
 
-WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict]]
-"""Fine-tunes a freshly built policy before it becomes version 0; returns it and what it did (`pipeline.rl.warm_start`)."""
+WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict[str, Any]]]
+"""Fine-tunes a freshly built policy before it becomes version 0; returns it and what it did
+(`pipeline.rl.warm_start`)."""
 
 
 @dataclass
@@ -109,7 +111,7 @@ class TrainerStep:
 
     def __init__(self, policy: TransformersPolicy, settings: TrainerSettings, temperature: float,
                  optimizer_tensors: dict[str, torch.Tensor] | None = None,
-                 optimizer_param_groups: list | None = None) -> None:
+                 optimizer_param_groups: list[dict[str, Any]] | None = None) -> None:
         deterministic_torch(settings.threads)
         # Gradients a warm start left behind would count in the first step's clipping norm (and hold memory);
         # a policy loaded from disk has none, so training and replay start alike.
@@ -122,8 +124,8 @@ class TrainerStep:
         self.policy = policy
         self.settings = settings
         self.temperature = temperature
-        self.optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay,
-                                        tuple(settings.adam_betas), settings.adam_eps)  # type: ignore[arg-type]
+        self.optimizer = make_optimizer(policy.model, settings.lr, settings.weight_decay, settings.adam_betas,
+                                        settings.adam_eps)
         if optimizer_tensors is not None:
             load_optimizer_tensors(self.optimizer, optimizer_tensors, optimizer_param_groups or [])
 
@@ -209,7 +211,7 @@ class PolicyTrainer:
         return update, version
 
     def _write(self, policy: TransformersPolicy, optimizer: torch.optim.Optimizer | None, *, version: int, step: int,
-               train_step: TrainStepCompleted | None, warm_start: dict | None = None) -> PolicyVersion:
+               train_step: TrainStepCompleted | None, warm_start: dict[str, Any] | None = None) -> PolicyVersion:
         metadata = {
             **({"warm_start": warm_start} if warm_start is not None else {}),
             "role": self.role, "version": version, "step": step, "run_id": self.run_id,
@@ -228,7 +230,7 @@ class PolicyTrainer:
         info = save_checkpoint(path, policy, optimizer=optimizer, metadata=metadata, base=base)
         return self._version_from(path, json.loads((path / "manifest.json").read_text()), info)
 
-    def _version_from(self, path: Path, manifest: dict, info: CheckpointInfo | None = None) -> PolicyVersion:
+    def _version_from(self, path: Path, manifest: dict[str, Any], info: CheckpointInfo | None = None) -> PolicyVersion:
         metadata = manifest["metadata"]
         info = info or CheckpointInfo(path=path, manifest_sha256=manifest_sha256(path),
                                       weight_hash=manifest["weight_hash"])
@@ -264,7 +266,7 @@ class PolicyTrainer:
             event_id=event_id_for(self.run_id, self.role, version, "train-step"),
             run_id=self.run_id, producer=self.producer, role=self.role, policy_version=version,
             loss_variant="grpo" if self.role == "actor" else "cispo", aggregation=self.settings.aggregation,
-            **fields,  # type: ignore[arg-type]
+            **fields,
         )
 
 

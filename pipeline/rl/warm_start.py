@@ -23,14 +23,17 @@ and `RunStarted` carries the settings.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -85,7 +88,7 @@ def summarise_merge(entries: Sequence[str], max_chars: int) -> str:
     for alias, text in enumerate(entries, start=1):
         groups.setdefault(text.split(" ", 1)[0].lower(), []).append(alias)
     ops = []
-    for word, aliases in groups.items():
+    for aliases in groups.values():
         if len(aliases) >= 2:
             text = f"{len(aliases)} lessons agree: {entries[aliases[0] - 1]}"
             ops.append({"op": "merge", "ids": aliases, "text": text[:max_chars]})
@@ -165,7 +168,8 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
               lr: float, seed: int, system: str) -> list[float]:
     """`steps` AdamW steps of token-mean cross-entropy on the responses of (prompt, response) pairs, batches drawn
     with a seeded RNG; returns the loss of every step. Prompts are formed as the workers form them
-    (`policy.prompt_ids(prompt, system)`: the chat template for a chat model), responses end as the model ends a turn."""
+    (`policy.prompt_ids(prompt, system)`: the chat template for a chat model), responses end as the model ends a
+    turn."""
     if not samples:
         raise ConfigError("the warm start has no samples (no episode of the task mix had any)")
     rng = random.Random(seed)
@@ -226,7 +230,7 @@ def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettin
     families = sorted({e.digest.task_family for e in episodes})
     for _ in range(len(episodes) // 4):
         family = rng.choice(families)
-        pool = [text for text, e in zip(lessons, episodes) if e.digest.task_family == family]
+        pool = [text for text, e in zip(lessons, episodes, strict=True) if e.digest.task_family == family]
         entries = [rng.choice(pool) for _ in range(rng.randint(2, settings.merge_chunk))]
         samples.append((merge_prompt(family, entries), summarise_merge(entries, settings.max_experience_chars)))
     return samples
@@ -235,16 +239,16 @@ def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettin
 # -- the warm starts, cached ----------------------------------------------------------------------------------------
 
 
-def _cache_key(kind: str, policy: TransformersPolicy, parts: dict) -> str:
+def _cache_key(kind: str, policy: TransformersPolicy, parts: dict[str, Any]) -> str:
     from pipeline.models.checkpoints import weight_hash
 
-    sources = "".join(Path(module.__file__).read_text() for module in _source_modules())  # type: ignore[arg-type]
+    sources = "".join(Path(inspect.getfile(module)).read_text() for module in _source_modules())
     payload = json.dumps({"kind": kind, "initial_weights": weight_hash(policy.model), "parts": parts,
                           "source": hashlib.sha256(sources.encode()).hexdigest()}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def _source_modules() -> list:
+def _source_modules() -> list[ModuleType]:
     import sys
 
     import pipeline.actor.episodes
@@ -258,8 +262,8 @@ def _source_modules() -> list:
             pipeline.envs.minihack, pipeline.envs.sokoban]
 
 
-def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict,
-            train) -> tuple[TransformersPolicy, dict]:  # type: ignore[no-untyped-def]
+def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict[str, Any],
+            train: Callable[[], dict[str, Any]]) -> tuple[TransformersPolicy, dict[str, Any]]:
     from pipeline.models.checkpoints import load_checkpoint, save_checkpoint
 
     key = _cache_key(kind, policy, {**parts, "warm_start": settings.model_dump(mode="json", exclude={"cache_dir"})})
@@ -279,18 +283,18 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
     return policy, stats
 
 
-def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict:
+def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict[str, Any]:
     return {"steps": len(losses), "samples": samples, "episodes": len(episodes),
             "episode_success": sum(e.digest.success for e in episodes) / max(1, len(episodes)),
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
-                     envs: EnvSettings, history_turns: int) -> tuple[TransformersPolicy, dict]:
+                     envs: EnvSettings, history_turns: int) -> tuple[TransformersPolicy, dict[str, Any]]:
     """Behaviour cloning from the scripted solvers of the task mix; returns the policy and what it did."""
     from pipeline.actor.episodes import ACTOR_SYSTEM
 
-    def train() -> dict:
+    def train() -> dict[str, Any]:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
         samples = actor_samples(episodes, history_turns, settings.seed)
         if not samples:
@@ -306,9 +310,9 @@ def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, ta
 
 
 def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
-                         envs: EnvSettings, extractor: ExtractorSettings) -> tuple[TransformersPolicy, dict]:
+                         envs: EnvSettings, extractor: ExtractorSettings) -> tuple[TransformersPolicy, dict[str, Any]]:
     """Fine-tuning on the rule-based summariser's answers; returns the policy and what it did."""
-    def train() -> dict:
+    def train() -> dict[str, Any]:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
         samples = extractor_samples(episodes, extractor, settings.seed)
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,

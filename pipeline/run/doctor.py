@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
@@ -49,7 +50,7 @@ class Check:
 def _attempt(name: str, action: Callable[[], str]) -> Check:
     try:
         return Check(name, True, action())
-    except Exception as exc:  # a doctor reports every failure as a row instead of stopping at the first
+    except Exception as exc:  # noqa: BLE001 - a doctor reports every failure as a row, not stopping at the first
         return Check(name, False, f"{type(exc).__name__}: {exc}")
 
 
@@ -59,7 +60,7 @@ def _broker(settings: Settings, embedded: bool, scratch: Path) -> Iterator[tuple
         try:
             broker = embedded_broker(settings.broker, data_dir=scratch / "kafka",
                                      log_path=scratch / "broker.log").start()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as a failed row
             yield None, Check("broker reachable", False, f"embedded broker: {type(exc).__name__}: {exc}")
             return
         try:
@@ -73,7 +74,7 @@ def _broker(settings: Settings, embedded: bool, scratch: Path) -> Iterator[tuple
     try:
         kafka = resolve_kafka(settings)
         wait_until_answers(kafka.require_bootstrap(), timeout_s=10)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row
         yield None, Check("broker reachable", False, f"{type(exc).__name__}: {exc}")
         return
     yield kafka, Check("broker reachable", True, f"Kafka at {kafka.bootstrap_servers}")
@@ -109,7 +110,7 @@ _BROKER_LIMITS = ("group.min.session.timeout.ms", "group.max.session.timeout.ms"
 
 def _config_values(admin: KafkaAdminClient, resource: ConfigResource) -> dict[str, str]:
     described = admin.describe_configs([resource], config_filter="all")
-    entries = next(iter(described.get(resource.resource_type.name.lower(), {}).values()), {})
+    entries: dict[str, Any] = next(iter(described.get(resource.resource_type.name.lower(), {}).values()), {})
     return {name: entry["value"] for name, entry in entries.items() if entry.get("value") is not None}
 
 
@@ -213,6 +214,7 @@ def _round_trip_checks(kafka: KafkaSettings, scratch_topic: str | None, timeout_
     producer = make_producer(kafka, client_id="crl-doctor")
     try:
         if admin is not None:
+            assert scratch_topic is not None  # the admin client is made only to create and delete it
             admin.create_topics([NewTopic(scratch_topic, 1, 1)])
             deadline = time.monotonic() + timeout_s
             while scratch_topic not in admin.list_topics() and time.monotonic() < deadline:
@@ -226,12 +228,13 @@ def _round_trip_checks(kafka: KafkaSettings, scratch_topic: str | None, timeout_
         producer.flush(timeout=timeout_s)
 
         def arrived(record: Record) -> bool:
+            value = record.value or b""
             try:
-                event_id = json.loads(record.value or b"")["event_id"]
+                event_id = json.loads(value)["event_id"]
             except (ValueError, KeyError, TypeError):
                 return False  # someone else's record on a shared broker
             if event_id in wanted:
-                received[event_id] = record.value  # type: ignore[assignment]
+                received[event_id] = value
             return len(received) == len(wanted)
 
         log_.records_after(start, arrived, timeout_s)
@@ -295,26 +298,26 @@ def run_checks(settings: Settings, embedded: bool) -> list[Check]:
             if kafka is not None:
                 try:
                     topic_checks = _topic_checks(kafka, create=embedded)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - reported as a failed row
                     topic_checks = [Check("topics", False, f"{type(exc).__name__}: {exc}")]
                 checks += topic_checks
                 if all(check.ok for check in topic_checks):
                     try:
                         checks += _limits_checks(kafka, settings.max_payload_bytes)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - reported as a failed row
                         checks.append(Check("broker limits", False, f"{type(exc).__name__}: {exc}"))
                 if all(check.ok for check in topic_checks):
                     try:
-                        scratch = None if embedded else f"crl.doctor-{uuid.uuid4().hex[:12]}"
-                        checks += _round_trip_checks(kafka, scratch)
-                    except Exception as exc:
+                        scratch_topic = None if embedded else f"crl.doctor-{uuid.uuid4().hex[:12]}"
+                        checks += _round_trip_checks(kafka, scratch_topic)
+                    except Exception as exc:  # noqa: BLE001 - reported as a failed row
                         checks.append(Check("round trip", False, f"{type(exc).__name__}: {exc}"))
                 else:
                     # Sending to a missing topic would block on metadata for a minute per event.
                     checks.append(Check("round trip", False, "not attempted: the topics above are not all ready"))
         checks.append(_attempt("SQL SQLite", lambda: _sql_check(f"sqlite:///{scratch_dir / 'doctor.sqlite3'}", True)))
-        if settings.db.url:
-            checks.append(_attempt("SQL CRL_DB__URL", lambda: _sql_check(settings.db.url, False)))
+        if db_url := settings.db.url:
+            checks.append(_attempt("SQL CRL_DB__URL", lambda: _sql_check(db_url, False)))
     checks.append(_attempt("embedding model", lambda: _embedding_check(settings.embedding.model)))
     checks.append(_attempt("NLE / MiniHack", _nle_check))
     return checks

@@ -9,13 +9,14 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
 class WorkerProcess:
     kind: str
     instance: str
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
     @property
@@ -23,7 +24,7 @@ class WorkerProcess:
         return self.process is not None and self.process.poll() is None
 
 
-def last_metrics(run_dir: Path, instance: str, count: int = 2) -> list[dict]:
+def last_metrics(run_dir: Path, instance: str, count: int = 2) -> list[dict[str, Any]]:
     """The last `count` metrics lines the worker wrote (`metrics/<instance>.jsonl`)."""
     path = run_dir / "metrics" / f"{instance}.jsonl"
     if not path.exists():
@@ -34,7 +35,7 @@ def last_metrics(run_dir: Path, instance: str, count: int = 2) -> list[dict]:
         lines = handle.read().decode("utf-8", "replace").splitlines()
     if size > 16384:
         lines = lines[1:]  # the first line read may be a partial one
-    parsed = []
+    parsed: list[dict[str, Any]] = []
     for line in lines[-count:]:
         try:
             parsed.append(json.loads(line))

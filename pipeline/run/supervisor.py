@@ -50,7 +50,7 @@ import uuid
 from pathlib import Path
 
 import yaml
-from rich.console import Group
+from rich.console import Console, Group
 
 from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
@@ -82,7 +82,7 @@ QUIET_S = 3.0
 class RunSupervisor:
     """Starts the broker and the workers of one run, watches them, and stops everything in order."""
 
-    def __init__(self, settings: Settings, console, resume: bool = False) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings: Settings, console: Console, resume: bool = False) -> None:
         self.resume = resume
         self.settings = settings
         self.console = console

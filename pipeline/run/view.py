@@ -38,6 +38,7 @@ def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str
             "ops": " ".join(f"{k} {v}" for k, v in sorted(p.ops.items())) or "-",
             "parse": " ".join(f"{k} {v}" for k, v in sorted(p.parse.items())) or "-",
             "versions": f"actor v{p.actor_version}, extractor v{p.extractor_version}",
+            "actor loss": "-" if p.actor_loss is None else f"{p.actor_loss:.4f}",
             "extractor reward": "-" if p.extractor_reward is None else f"{p.extractor_reward:+.3f}",
         }
 

@@ -28,11 +28,21 @@ from schemas.topics import Topic
 class RuntimeSettings(Protocol):
     """The settings the runtime reads; `pipeline.settings.Settings` has them all."""
 
-    run_dir: Path
-    kafka: KafkaSettings
-    db: DbSettings
-    runner: RunnerSettings
-    max_payload_bytes: int
+    # Read-only members: `Settings` is frozen.
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def kafka(self) -> KafkaSettings: ...
+
+    @property
+    def db(self) -> DbSettings: ...
+
+    @property
+    def runner(self) -> RunnerSettings: ...
+
+    @property
+    def max_payload_bytes(self) -> int: ...
 
     @property
     def resolved_run_id(self) -> str: ...

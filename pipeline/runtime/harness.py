@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.context import RuntimeSettings, WorkerContext
@@ -52,7 +53,7 @@ class RawRecord:
 class Journal:
     """Every transport action in order: ("send", topic, offset) / ("flush", n) / ("commit", positions)."""
 
-    entries: list[tuple] = field(default_factory=list)
+    entries: list[tuple[Any, ...]] = field(default_factory=list)
 
     def kinds(self) -> list[str]:
         return [entry[0] for entry in self.entries]
@@ -102,8 +103,8 @@ class MemoryOutput:
     def __init__(self, journal: Journal, log: MemoryLog | None = None) -> None:
         self.journal = journal
         self.log = log
-        self.pending: list[tuple[str, bytes, bytes, list]] = []
-        self.delivered: list[tuple[str, bytes, bytes, list]] = []
+        self.pending: list[tuple[str, bytes, bytes, list[tuple[str, bytes]]]] = []
+        self.delivered: list[tuple[str, bytes, bytes, list[tuple[str, bytes]]]] = []
         self.fail_next_flush: Exception | None = None
 
     def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
@@ -137,9 +138,10 @@ class HarnessResult:
 def to_records(items: Iterable[Event | RawRecord]) -> list[Record]:
     """Encode events to their registry topic (raw records as given), numbering offsets per partition."""
     next_offset: dict[Position, int] = {}
-    records = []
+    records: list[Record] = []
     for item in items:
-        timestamp_ms, headers = 1_700_000_000_000 + len(records), ()
+        timestamp_ms = 1_700_000_000_000 + len(records)
+        headers: tuple[tuple[str, bytes], ...] = ()
         if isinstance(item, RawRecord):
             topic, partition, key, value, headers = item.topic, item.partition, item.key, item.value, item.headers
             timestamp_ms = timestamp_ms if item.timestamp_ms is None else item.timestamp_ms
@@ -205,5 +207,9 @@ def run_worker(
     dead_letters: list[DeadLetter] = []
     for topic, _key, value, _headers in output_log.delivered:
         event = decode(topic_named(topic), value, max_bytes=1 << 30)
-        (dead_letters if topic == DEAD_LETTERS.name else outputs).append(event)
+        if topic == DEAD_LETTERS.name:
+            assert isinstance(event, DeadLetter)  # the dead-letter topic's registry holds only `DeadLetter`
+            dead_letters.append(event)
+        else:
+            outputs.append(event)
     return HarnessResult(outputs, dead_letters, dict(input_log.committed), journal, runner)

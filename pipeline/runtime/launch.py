@@ -38,7 +38,8 @@ def load_worker_registry() -> dict[str, WorkerClass]:
                 raise ConfigError(f"worker kind {name!r} is registered twice ({entry.value} and another registry)")
             registry[name] = worker
     if not registry:
-        raise ConfigError(f"no worker registry found under entry points {ENTRY_POINT_GROUP!r}; is the package installed?")
+        raise ConfigError(f"no worker registry found under entry points {ENTRY_POINT_GROUP!r}; is the package "
+                          "installed?")
     return registry
 
 

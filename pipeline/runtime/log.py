@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from kafka import TopicPartition
 
@@ -86,7 +86,8 @@ class Follow(Protocol):
 class Log(Protocol):
     """The log as a worker may read it beyond its inputs."""
 
-    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *, start: Mapping[tuple[str, int], int] | None = None,
+    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *,
+               start: Mapping[tuple[str, int], int] | None = None,
                name: str = "follower") -> Follower: ...
 
     def read_to_end(self, topic: Topic) -> list[Record]: ...
@@ -96,7 +97,7 @@ class Log(Protocol):
     def log_id(self, topic: Topic) -> str: ...
 
 
-def _records(batches: Mapping[TopicPartition, list], log_ids: Mapping[str, str]) -> Iterator[Record]:
+def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, str]) -> Iterator[Record]:
     for batch in batches.values():
         for message in batch:
             yield Record(message.topic, message.partition, message.offset, message.key, message.value,
@@ -207,7 +208,8 @@ class KafkaLog:
             self._log_ids.update({name: self.kafka.log_aliases.get(id_, id_) for name, id_ in ids.items()})
         return self._log_ids[topic.name]
 
-    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *, start: Mapping[tuple[str, int], int] | None = None,
+    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *,
+               start: Mapping[tuple[str, int], int] | None = None,
                name: str = "follower") -> TopicFollower:
         return TopicFollower(self.kafka, topics, on_record, start=start, name=name,
                              log_ids={t.name: self.log_id(t) for t in topics})
@@ -333,7 +335,8 @@ class MemoryLog:
     def log_id(self, topic: Topic) -> str:
         return self._log_id
 
-    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *, start: Mapping[tuple[str, int], int] | None = None,
+    def follow(self, topics: Sequence[Topic], on_record: OnRecord, *,
+               start: Mapping[tuple[str, int], int] | None = None,
                name: str = "follower") -> MemoryFollower:
         follower = MemoryFollower(self, {t.name for t in topics}, on_record, start or {})
         self._followers.append(follower)

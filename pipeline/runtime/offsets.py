@@ -17,11 +17,11 @@ raises `ValueError` and nothing of that save is written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import NamedTuple
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from infra.db import consumer_offsets, transient_database_errors
@@ -37,7 +37,10 @@ class LogPosition(NamedTuple):
     next_offset: int
     log_id: str
 
-_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+# The dialects' own `insert`s: the generic one has no ON CONFLICT clause.
+_INSERTS: dict[str, Callable[[Table], postgresql.Insert | sqlite.Insert]] = {
+    "postgresql": postgresql.insert, "sqlite": sqlite.insert,
+}
 
 
 class SqlOffsetStore:
@@ -46,7 +49,8 @@ class SqlOffsetStore:
     def __init__(self, engine: Engine, worker: str) -> None:
         dialect = engine.dialect.name
         if dialect not in _INSERTS:
-            raise InvalidArgumentError(f"SqlOffsetStore does not support the {dialect!r} database; use one of {sorted(_INSERTS)}")
+            raise InvalidArgumentError(f"SqlOffsetStore does not support the {dialect!r} database; use one of "
+                                       f"{sorted(_INSERTS)}")
         self.engine = engine
         self.worker = worker
         self._insert = _INSERTS[dialect]
@@ -70,7 +74,8 @@ class SqlOffsetStore:
         """
         for (topic, partition), (next_offset, _log_id) in positions.items():
             if next_offset < 0:
-                raise InvalidArgumentError(f"topic {topic!r} partition {partition}: next offset must be >= 0, got {next_offset}")
+                raise InvalidArgumentError(f"topic {topic!r} partition {partition}: next offset must be >= 0, "
+                                           f"got {next_offset}")
         if not positions:
             return
         updated_at = datetime.now(UTC)

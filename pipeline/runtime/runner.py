@@ -307,7 +307,7 @@ class WorkerRunner:
         """The record's event, or None after publishing a dead letter for it."""
         try:
             return decode(topic_named(record.topic), record.value, self.max_payload_bytes)
-        except Exception as exc:  # EventDecodeError, an unknown topic, or anything else: never crash on input
+        except Exception as exc:  # noqa: BLE001 - EventDecodeError, an unknown topic or anything else: a dead letter
             self.publish_dead_letter(record, exc)
             return None
 
@@ -318,7 +318,8 @@ class WorkerRunner:
         self.metrics.events_in += 1
         event = self.decode_or_dead_letter(record)
         if event is not None:
-            origin = Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, record.log_id)
+            origin = Origin(record.topic, record.partition, record.offset, record.timestamp_ms, record.key,
+                            record.log_id)
             try:
                 outputs = self._handle_with_retries(event, origin, record)
             except _StoppedDuringRetry as stopped:
@@ -332,7 +333,9 @@ class WorkerRunner:
         self.positions[(record.topic, record.partition)] = record.offset + 1
         self._uncommitted = True
 
-    def _handle_with_retries(self, event: Event, origin: Origin, record: Record) -> list[tuple] | None:
+    def _handle_with_retries(
+        self, event: Event, origin: Origin, record: Record,
+    ) -> list[tuple[str, bytes, bytes, list[tuple[str, bytes]]]] | None:
         attempt = 0
         while True:
             started = time.perf_counter()
@@ -499,7 +502,7 @@ class WorkerRunner:
             try:
                 lag = self.input_log.lag(self.positions)
                 self.metrics.lag = {f"{t}[{p}]": n for (t, p), n in sorted(lag.items()) if n}
-            except Exception as exc:  # metrics must never take a worker down
+            except Exception as exc:  # noqa: BLE001 - metrics must never take a worker down
                 log.debug("lag unavailable: %s", exc)
         snapshot = self.metrics.snapshot()
         log.info("metrics worker=%s instance=%s %s", self.producer.worker, self.producer.instance,

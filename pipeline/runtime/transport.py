@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -87,7 +87,7 @@ class OutputLog(Protocol):
     def close(self) -> None: ...
 
 
-def _records(batches: Mapping[TopicPartition, list], log_ids: Mapping[str, str]) -> list[Record]:
+def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, str]) -> list[Record]:
     records = []
     for batch in batches.values():
         for message in batch:
@@ -280,7 +280,7 @@ class KafkaOutput:
     def __init__(self, producer: KafkaProducer, flush_timeout_s: float = 60.0) -> None:
         self.producer = producer
         self.flush_timeout_s = flush_timeout_s
-        self._pending: list = []
+        self._pending: list[Any] = []  # kafka-python's untyped send futures
         self._produced_ends: dict[Position, int] = {}
 
     def produced_ends(self) -> dict[Position, int]:

@@ -94,7 +94,7 @@ def test_every_bad_record_on_every_topic_is_dead_lettered_and_every_valid_event_
         if (topic, partition, offset) in bad_at:  # not the catalogue's own valid dead letters (on crl.dead-letters)
             by_source.setdefault((topic, partition, offset), []).append(error_class)
     expected = {position: bad.expect for position, bad in bad_at.items() if bad.dead_letter}
-    assert {position: classes for position, classes in by_source.items()} == {p: [c] for p, c in expected.items()}
+    assert dict(by_source) == {p: [c] for p, c in expected.items()}
 
     ops = [(offset, item if isinstance(item, Event) else decode(EXPERIENCE_OPS_TOPIC, item.value))
            for (topic, _, offset), (item, _) in sorted(sent.items())

@@ -220,7 +220,7 @@ def test_served_experiences_are_counted_once_per_trajectory(kafka_bootstrap, tmp
 
     ops = synthetic_op_log(60, seed=21, run_id="count-it")
     state = replay(enumerate(ops)).state
-    first, second = [e for e in state.active()][:2]
+    first, second = list(state.active())[:2]
     template = next(e for e in example_events("count-it") if isinstance(e, TrajectoryCompleted))
 
     def guided(trajectory_id: str, *served) -> TrajectoryCompleted:

@@ -128,7 +128,7 @@ def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind, request):
                      "--format", "json")
         assert counts.returncode == 0, counts.stderr
         rows = {row["kind"]: row["n"] for row in map(json.loads, counts.stdout.splitlines())}
-        assert rows == {**{kind: 1 for kind in EVENT_TYPES}, "DeadLetter": 2}
+        assert rows == {**dict.fromkeys(EVENT_TYPES, 1), "DeadLetter": 2}
         listed = crl("audit", "events", str(run_dir), "--kind", "PolicyPublished", "--limit", "5")
         assert listed.returncode == 0 and "PolicyPublished" in listed.stdout and "1 rows" in listed.stdout
         assert list((run_dir / "logs").glob("*.log")), "worker and broker logs belong in the run dir"

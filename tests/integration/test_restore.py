@@ -192,8 +192,8 @@ def test_a_broker_that_died_before_anything_was_archived_restores_an_empty_log_u
         connection.execute(insert(consumer_offsets), [{
             "worker": "actor_trainer", "topic": TRAJECTORIES.name, "partition": 3, "next_offset": 1,
             "log_id": "gone", "updated_at": datetime.now(UTC)}])
-    with TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "third.log") as third:
-        with pytest.raises(RunFailedError, match=r"actor_trainer read crl.trajectories\[3\] up to offset 1, the "
-                                                 "archive only to 0"):
-            restore_log(settings.run_dir, _with_topics(third), engine)
+    with (TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "third.log") as third,
+          pytest.raises(RunFailedError, match=r"actor_trainer read crl.trajectories\[3\] up to offset 1, the "
+                                              r"archive only to 0")):
+        restore_log(settings.run_dir, _with_topics(third), engine)
     engine.dispose()

@@ -1,4 +1,5 @@
-"""The SQL layer on real databases: migrations (`infra.db`) and the assign-mode offset store (`pipeline.runtime.offsets`).
+"""The SQL layer on real databases: migrations (`infra.db`) and the assign-mode offset store
+(`pipeline.runtime.offsets`).
 
 Every test taking `db_engine` runs twice, on a SQLite file and on PostgreSQL (see conftest.py). Run with:
 
@@ -97,7 +98,7 @@ def test_concurrent_migrations_all_reach_head(db_engine: Engine) -> None:
         start.wait()
         try:
             revisions.append(migrate(engine))
-        except BaseException as exc:  # collected and reported below, from the test's own thread
+        except BaseException as exc:  # noqa: BLE001 - collected and reported below, from the test's own thread
             errors.append(exc)
 
     threads = [threading.Thread(target=start_worker, args=(engine,)) for engine in engines]
@@ -201,7 +202,7 @@ def test_save_refuses_to_move_a_position_backwards(migrated_engine: Engine) -> N
     store = SqlOffsetStore(migrated_engine, worker="bank-0")
     store.save(_at({("crl.trajectories", 2): 10}))
 
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(ValueError, match="backwards") as raised:
         store.save(_at({("crl.trajectories", 2): 9}))
 
     message = str(raised.value)

@@ -43,7 +43,8 @@ def _start(worker: str, env: dict[str, str], log: Path, *, prelude: str | None =
     if prelude is None:
         command = [*CRL, "worker", worker, "--instance", f"{worker}-test"]
     else:
-        script = f"{prelude}\nimport sys\nfrom pipeline.cli import main\nsys.argv = ['crl', 'worker', '{worker}']\nmain()"
+        script = (f"{prelude}\nimport sys\nfrom pipeline.cli import main\n"
+                  f"sys.argv = ['crl', 'worker', '{worker}']\nmain()")
         command = [sys.executable, "-c", script]
     return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 

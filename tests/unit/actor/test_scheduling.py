@@ -139,7 +139,7 @@ def test_run_config_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown keys \['schedular'\]"):
         Settings(config=tmp_path / "typo.yaml")
     (tmp_path / "env.yaml").write_text("envs: {tasks: [{env_id: Pong}]}\n")
-    with pytest.raises(ValidationError, match="unknown env ids in envs.tasks: \\['Pong'\\]"):
+    with pytest.raises(ValidationError, match=r"unknown env ids in envs.tasks: \['Pong'\]"):
         Settings(config=tmp_path / "env.yaml")
 
 

@@ -72,11 +72,11 @@ def test_segments_hold_one_row_per_event_with_the_archive_schema(archived):
 
 
 def test_events_view_counts_every_kind(archived):
-    run_dir, events = archived
+    run_dir, _events = archived
     with Audit(run_dir) as audit:
         columns, rows = audit.query("SELECT kind, count(*) AS n FROM events GROUP BY kind ORDER BY kind")
     assert columns == ["kind", "n"]
-    expected = {kind: 1 for kind in EVENT_TYPES}
+    expected = dict.fromkeys(EVENT_TYPES, 1)
     expected["DeadLetter"] = 2  # the example plus the garbage record's
     assert dict(rows) == expected
 

@@ -65,7 +65,7 @@ def test_a_tampered_step_fails_naming_it(recorded_run, tmp_path):
 
 
 def test_changed_advantages_are_caught_before_the_update(recorded_run, tmp_path):
-    run_dir, events = recorded_run
+    _run_dir, events = recorded_run
     copy = tmp_path / "copy"
     copy.mkdir()
     changed = []

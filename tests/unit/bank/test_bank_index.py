@@ -344,7 +344,7 @@ def test_build_equals_adding_one_by_one_and_refuses_a_repeated_id(tmp_path: Path
     # The same normalised float32 rows, keys and manifest (graphs differ: `add` grows one from the threshold on).
     for name in ("family-0000.npy", "family-0001.npy", "manifest.json"):
         assert (tmp_path / "built" / name).read_bytes() == (tmp_path / "added" / name).read_bytes(), name
-    with pytest.raises(ValueError, match="room-0.*twice"):
+    with pytest.raises(ValueError, match=r"room-0.*twice"):
         ExperienceIndex.build([*items, items[-40]], dim=DIM)
 
 

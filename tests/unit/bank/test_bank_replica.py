@@ -13,7 +13,7 @@ from pipeline.bank.synthetic import synthetic_op_log
 
 
 def _brute_force(bank: LocalBank, query: np.ndarray, family: str, k: int) -> list[str]:
-    active = [e for e in bank.state.active(family)]
+    active = list(bank.state.active(family))
     keys = np.stack([e.key.astype(np.float32) for e in active])
     keys /= np.linalg.norm(keys, axis=1, keepdims=True)
     scores = keys @ (query / np.linalg.norm(query))

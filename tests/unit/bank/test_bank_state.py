@@ -172,7 +172,8 @@ def test_state_hash_depends_on_text_vector_and_status():
 
 
 def test_snapshot_round_trip_restores_everything_and_detects_corruption():
-    state, _ = run([add("o1", "e1"), add("o2", "e2"), merge("o3", "m1", {"e1": 1, "e2": 1}), refine("o4", "m1", 1, "z")])
+    state, _ = run([add("o1", "e1"), add("o2", "e2"), merge("o3", "m1", {"e1": 1, "e2": 1}),
+                    refine("o4", "m1", 1, "z")])
     state.experiences["m1"].retrievals = 1
     snapshot = json.loads(json.dumps(state.to_snapshot()))
     restored = BankState.from_snapshot(snapshot)

@@ -27,7 +27,7 @@ SOLVED_BY_RANDOM_PLAY = [
 MINIHACK = [env_id for env_id, _, _ in SOLVED_BY_RANDOM_PLAY]
 
 
-@pytest.mark.parametrize("env_id,seed,actions", SOLVED_BY_RANDOM_PLAY)
+@pytest.mark.parametrize(("env_id", "seed", "actions"), SOLVED_BY_RANDOM_PLAY)
 def test_minihack_variant_resets_steps_renders_and_detects_success(env_id, seed, actions):
     env = make_env(env_id, EnvSettings(), max_turns=400)
     try:
@@ -114,7 +114,7 @@ def test_invalid_action_rules():
         end.close()
 
 
-@pytest.mark.parametrize("response,expected", [
+@pytest.mark.parametrize(("response", "expected"), [
     ("east", "east"), ("Action: NorthEast\nmore", "northeast"), ("  \n go south now", "south"),
     ("northeastern", None), ("", None), ("pick up", None), ("apply the key", "apply"), ("north east", "north"),
     # What a chat model writes: the first action word of its first non-empty line counts; anything else is invalid.
@@ -178,7 +178,7 @@ def test_sokoban_solver_knows_unsolvable_rooms():
 # -- adapters without their data, the registry ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("env_id,missing", [
+@pytest.mark.parametrize(("env_id", "missing"), [
     ("ALFWorld", "alfworld"), ("WebShop", "WebShop"), ("SWE-Bench-Verified", "swebench")])
 def test_adapters_without_their_package_or_data_raise_one_clear_error(env_id, missing):
     with pytest.raises(EnvUnavailableError, match=rf"{env_id} cannot run here: .*{missing}.*To get it: "):

@@ -74,5 +74,5 @@ def test_bootstrap_comes_from_the_run_dir_broker_file_when_not_configured(monkey
 def test_group_defaults_fit_a_stock_apache_kafka_and_heartbeats_must_fit_the_session():
     settings = KafkaSettings()
     assert 6000 <= settings.session_timeout_ms <= 1_800_000  # Apache Kafka's default group.min/max.session.timeout.ms
-    with pytest.raises(ValidationError, match="heartbeat_interval_ms .* must be below session_timeout_ms"):
+    with pytest.raises(ValidationError, match=r"heartbeat_interval_ms .* must be below session_timeout_ms"):
         KafkaSettings(session_timeout_ms=6000, heartbeat_interval_ms=6000)

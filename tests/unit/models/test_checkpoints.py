@@ -150,7 +150,7 @@ def test_flipped_byte_in_the_weights_is_detected(policy: TransformersPolicy, tmp
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0x01
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="model.safetensors") as caught:
+    with pytest.raises(CheckpointError, match=r"model.safetensors") as caught:
         load_checkpoint(info.path, expected_sha256=info.manifest_sha256)
     assert recorded in str(caught.value)
 
@@ -164,10 +164,10 @@ def test_wrong_expected_sha256_is_detected(policy: TransformersPolicy, tmp_path:
 def test_missing_file_is_detected(policy: TransformersPolicy, tmp_path: Path) -> None:
     info = save_checkpoint(tmp_path / "v0", policy)
     (info.path / "tokenizer.json").unlink()
-    with pytest.raises(CheckpointError, match="tokenizer.json.*missing"):
+    with pytest.raises(CheckpointError, match=r"tokenizer.json.*missing"):
         load_checkpoint(info.path)
     (info.path / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+    with pytest.raises(CheckpointError, match=r"manifest.json is missing"):
         load_checkpoint(info.path)
 
 

@@ -96,7 +96,7 @@ def test_a_tampered_adapter_is_refused_and_the_held_version_kept(lora_run, tmp_p
     before = weight_hash(held.model)
     adapter = version_dir(copy, 2) / "adapter.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:-8] + b"\0" * 8)
-    with pytest.raises(CheckpointError, match="adapter.safetensors: sha256"):
+    with pytest.raises(CheckpointError, match=r"adapter.safetensors: sha256"):
         load_checkpoint(version_dir(copy, 2), reuse=held)
     assert weight_hash(held.model) == before
     # Other adapter values whose file hash the manifest agrees with: set in place, caught by the weight hash, undone.
@@ -157,7 +157,6 @@ def test_a_run_cannot_switch_to_lora_when_it_resumes(lora_run, tmp_path):
 def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
     """Gradients a warm start leaves on the base would count in the first LoRA step's clipping norm: a trainer built
     on a warm-started policy steps exactly as one built on that policy's saved checkpoint (as replay is)."""
-    from pipeline.models.checkpoints import save_checkpoint
     from pipeline.rl.training import TrainerStep, actor_batch
 
     def warm(policy):

@@ -24,7 +24,7 @@ def test_a_role_names_one_model_source():
     assert ModelSettings(preset="smollm2-135m-instruct").preset == "smollm2-135m-instruct"
     with pytest.raises(ValidationError, match="not both"):
         ModelSettings(path="/models/qwen", preset="smollm2-135m-instruct")
-    with pytest.raises(ValidationError, match="unknown model.preset 'gpt-5'"):
+    with pytest.raises(ValidationError, match=r"unknown model.preset 'gpt-5'"):
         ModelSettings(preset="gpt-5")
 
 

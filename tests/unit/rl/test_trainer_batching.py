@@ -78,7 +78,8 @@ def extraction(generation_id: str, status: str = "ok") -> ExtractionGenerated:
     return ExtractionGenerated(
         run_id="r", producer=WHO, generation_id=generation_id, extractor_version=0, purpose="distill",
         task_family="f", prompt_token_ids=(1, 2), response_token_ids=(3, 4), sampling_logprobs=(-1.0, -2.0),
-        response_text="<answer>[]</answer>", parse_status=status, op_ids=(f"{generation_id}:0",) if status == "ok" else (),
+        response_text="<answer>[]</answer>", parse_status=status,
+        op_ids=(f"{generation_id}:0",) if status == "ok" else (),
         parse_error="bad" if status == "parse_error" else None,
     )
 
@@ -97,7 +98,7 @@ def test_join_credits_generations_with_mean_outcomes_and_weights_retraining():
     assert join.batch(step=1, size=3, alpha=0.5, delta=1) is None
     batch = join.batch(step=1, size=2, alpha=0.5, delta=1)
     assert batch is not None
-    by_id = dict(zip(batch.event_ids, range(2)))
+    by_id = dict(zip(batch.event_ids, range(2), strict=True))
     a, b = by_id[str(generations["ga"].event_id)], by_id[str(generations["gb"].event_id)]
     # rewards 0 and 1, mean 0.5: advantages -0.5 and +0.5, weights 1 (never trained)
     assert (batch.rewards[a], batch.rewards[b]) == (0.0, 1.0)
@@ -115,7 +116,7 @@ def test_join_credits_generations_with_mean_outcomes_and_weights_retraining():
     assert join.ready() == [str(generations["gb"].event_id), str(generations["gc"].event_id)]
     batch = join.batch(step=2, size=2, alpha=0.5, delta=1)
     assert batch is not None
-    by_id = dict(zip(batch.event_ids, range(2)))
+    by_id = dict(zip(batch.event_ids, range(2), strict=True))
     b, c = by_id[str(generations["gb"].event_id)], by_id[str(generations["gc"].event_id)]
     assert (batch.rewards[b], batch.rewards[c]) == (0.0, -1.0)  # gb: mean(+1, -1); gc: -1
     assert batch.weights[b] == pytest.approx(2 ** -0.5) and batch.weights[c] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import time
@@ -72,7 +73,7 @@ def test_a_plan_that_cannot_be_ordered_names_the_problem(tmp_path):
         start_order(cycle)
     with pytest.raises(ConfigError, match="more than one worker kind declares itself the run's clock"):
         start_order({"a": _kind("a", clock=True), "b": _kind("b", clock=True)})
-    with pytest.raises(ConfigError, match="launch.gpus, which is not a launch setting"):
+    with pytest.raises(ConfigError, match=r"launch.gpus, which is not a launch setting"):
         worker_plan(_settings(tmp_path), {"a": _kind("a", instances="gpus")})
 
 
@@ -107,7 +108,7 @@ def test_last_metrics_reads_the_tail_of_a_worker_file(tmp_path):
 
 def test_a_run_is_drained_once_quiet_and_every_live_worker_reported_twice_without_lag(tmp_path):
     settings = _settings(tmp_path, "grpo")
-    supervisor = RunSupervisor(settings, Console(file=open("/dev/null", "w")))
+    supervisor = RunSupervisor(settings, Console(file=io.StringIO()))
     sleepers = []
     try:
         for worker in supervisor.workers:
@@ -154,7 +155,7 @@ def test_workers_read_the_run_config_and_nothing_from_the_environment(tmp_path, 
                         run_dir=tmp_path / "run", scheduler={"steps": 3},
                         kafka={"bootstrap_servers": "127.0.0.1:9", "sasl_mechanism": "PLAIN",
                                "sasl_plain_username": "crl", "sasl_plain_password": "s3cret"})
-    supervisor = RunSupervisor(settings, Console(file=open("/dev/null", "w")))
+    supervisor = RunSupervisor(settings, Console(file=io.StringIO()))
     settings.run_dir.mkdir()
     supervisor._write_run_config()
     path = settings.run_dir / "config.yaml"

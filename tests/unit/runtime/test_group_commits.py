@@ -37,8 +37,8 @@ def test_the_latest_commit_whose_outputs_were_all_restored_wins_per_partition(en
 
 def test_a_commit_past_the_restored_end_is_capped_and_one_in_another_log_or_with_outputs_outside_it_is_not_used(
         engine):
-    GroupCommitLog(engine, "crl-extractor", "extractor-0", lambda: {}).record({(TRAJ, 0): LogPosition(30, "J")})
-    GroupCommitLog(engine, "crl-extractor", "extractor-1", lambda: {}).record({(TRAJ, 1): LogPosition(8, "old")})
+    GroupCommitLog(engine, "crl-extractor", "extractor-0", dict).record({(TRAJ, 0): LogPosition(30, "J")})
+    GroupCommitLog(engine, "crl-extractor", "extractor-1", dict).record({(TRAJ, 1): LogPosition(8, "old")})
     GroupCommitLog(engine, "crl-rollout", "rollout-0", lambda: {("crl.unknown", 0): 1}).record(
         {(TASKS, 0): LogPosition(3, "T")})
     ends = {(TRAJ, 0): LogPosition(25, "J"), (TRAJ, 1): LogPosition(25, "J"), (TASKS, 0): LogPosition(9, "T")}
@@ -46,5 +46,5 @@ def test_a_commit_past_the_restored_end_is_capped_and_one_in_another_log_or_with
 
 
 def test_nothing_is_recorded_for_an_empty_commit(engine):
-    GroupCommitLog(engine, "crl-rollout", "rollout-0", lambda: {}).record({})
+    GroupCommitLog(engine, "crl-rollout", "rollout-0", dict).record({})
     assert restorable_group_positions(engine, {(TASKS, 0): LogPosition(1, "T")}) == {}

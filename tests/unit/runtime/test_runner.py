@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import ClassVar
 
 import pytest
 
@@ -325,7 +326,7 @@ def test_trajectory_examples_survive_the_runner_unchanged():
     class Capture(Worker):
         name = "capture"
         consumes = (TRAJECTORIES,)
-        got: list[TrajectoryCompleted] = []
+        got: ClassVar[list[TrajectoryCompleted]] = []
 
         def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
             self.got.append(event)
@@ -376,7 +377,7 @@ def test_records_of_a_revoked_partition_are_neither_handled_nor_committed():
     journal = Journal()
     stop = _examples()["StopRequested"]
     processor = RevokesOnFirst()
-    runner, input_log, output = _runner_over(processor, [stop, stop, stop, _examples()["RunStarted"]], journal)
+    runner, input_log, _output = _runner_over(processor, [stop, stop, stop, _examples()["RunStarted"]], journal)
     runner.limits = type(runner.limits)(max_events=2)
     runner.run()
     assert len(processor.seen) == 2  # the first control record and the crl.runs record; the rest were skipped

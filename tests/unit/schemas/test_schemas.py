@@ -601,7 +601,7 @@ def test_decode_rejects_a_huge_integer_literal_as_malformed() -> None:
 def test_decode_names_a_missing_field() -> None:
     payload = wire_payload("TrajectoryCompleted")
     del payload["reward"]
-    with pytest.raises(InvalidEventError, match="^TrajectoryCompleted: reward: Field required$"):
+    with pytest.raises(InvalidEventError, match=r"^TrajectoryCompleted: reward: Field required$"):
         decode(TRAJECTORIES, json.dumps(payload).encode())
 
 
@@ -615,8 +615,8 @@ def test_decode_names_a_nested_missing_field_in_a_union_topic() -> None:
 def test_decode_rejects_a_schema_version_newer_than_the_code() -> None:
     payload = wire_payload("RunStarted")
     payload["schema_version"] = 2
-    with pytest.raises(SchemaVersionError, match="RunStarted: cannot upcast: .*schema_version 2 is newer than "
-                                                 "this code's 1"):
+    with pytest.raises(SchemaVersionError, match=r"RunStarted: cannot upcast: .*schema_version 2 is newer than "
+                                                 r"this code's 1"):
         decode(RUNS, json.dumps(payload).encode())
 
 

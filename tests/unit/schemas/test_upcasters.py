@@ -34,7 +34,7 @@ V1_EVENT_ID = "0f5c3b8e-6a1d-4c2e-9b7a-3d4e5f607182"
 def registry_is_left_unchanged() -> Iterator[None]:
     before = dict(UPCASTERS)
     yield
-    assert UPCASTERS == before
+    assert before == UPCASTERS
 
 
 def v1_dead_letter(error: str = "MalformedPayloadError: not a JSON document") -> dict[str, Any]:

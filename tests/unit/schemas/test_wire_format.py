@@ -100,9 +100,9 @@ def test_the_upcast_path_holds_the_same_rule() -> None:
     # A v1 dead letter is lifted to v2 first, then validated as strictly as a current record.
     good = decode(DEAD_LETTERS, json.dumps(v1_dead_letter()).encode())
     assert good.raw_sha256 == hashlib.sha256(b"not json").hexdigest()
-    with pytest.raises(InvalidEventError, match="source_offset: .*valid integer"):
+    with pytest.raises(InvalidEventError, match=r"source_offset: .*valid integer"):
         decode(DEAD_LETTERS, json.dumps(v1_dead_letter(source_offset="3")).encode())
-    with pytest.raises(InvalidEventError, match="source_partition: .*valid integer"):
+    with pytest.raises(InvalidEventError, match=r"source_partition: .*valid integer"):
         decode(DEAD_LETTERS, json.dumps(v1_dead_letter(source_partition=0.0)).encode())
     missing = v1_dead_letter()
     del missing["event_id"]
