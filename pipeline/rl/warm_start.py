@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from infra.cache import exclusive_lock
 from pipeline.envs.base import TextEnv
 from pipeline.envs.registry import env_spec, make_env, task_pool
 from pipeline.envs.settings import EnvSettings, TaskMix
@@ -266,20 +267,27 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
             train: Callable[[], dict[str, Any]]) -> tuple[TransformersPolicy, dict[str, Any]]:
     from pipeline.models.checkpoints import load_checkpoint, save_checkpoint
 
+    def trained() -> dict[str, Any]:
+        started = time.perf_counter()
+        stats = train()
+        stats["seconds"] = time.perf_counter() - started
+        log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs", kind, stats["steps"], stats["loss_first"],
+                 stats["loss_last"], stats["seconds"])
+        return stats
+
+    if settings.cache_dir is None:
+        return policy, trained()
     key = _cache_key(kind, policy, {**parts, "warm_start": settings.model_dump(mode="json", exclude={"cache_dir"})})
-    path = settings.cache_dir / f"{kind}-{key}" if settings.cache_dir is not None else None
-    if path is not None and (path / "manifest.json").exists():
-        loaded = load_checkpoint(path)
-        stats = dict(loaded.manifest["metadata"]["warm_start"], cached=str(path))
-        log.info("%s warm start loaded from the cache %s", kind, path)
-        return loaded.policy, stats
-    started = time.perf_counter()
-    stats = train()
-    stats["seconds"] = time.perf_counter() - started
-    if path is not None:
+    path = settings.cache_dir / f"{kind}-{key}"
+    # Two processes missing the same entry (two runs, or tests side by side) compute it once: the second waits for
+    # the first and loads what it wrote. Two writers would each save their own timing and refuse the other's entry.
+    with exclusive_lock(settings.cache_dir / f".{kind}-{key}.lock"):
+        if (path / "manifest.json").exists():
+            loaded = load_checkpoint(path)
+            log.info("%s warm start loaded from the cache %s", kind, path)
+            return loaded.policy, dict(loaded.manifest["metadata"]["warm_start"], cached=str(path))
+        stats = trained()
         save_checkpoint(path, policy, metadata={"warm_start": stats})
-    log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs", kind, stats["steps"], stats["loss_first"],
-             stats["loss_last"], stats["seconds"])
     return policy, stats
 
 
