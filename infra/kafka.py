@@ -35,13 +35,15 @@ class KafkaSettings(BaseModel):
         default="PLAINTEXT", description="Passed to kafka-python unchanged."
     )
     # OAUTHBEARER and GSSAPI need a token provider / Kerberos setup that plain settings cannot carry.
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    sasl_plain_username: str | None = None
-    sasl_plain_password: SecretStr | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None, description="SASL mechanism with SASL_PLAINTEXT / SASL_SSL.")
+    sasl_plain_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_plain_password: SecretStr | None = Field(
+        default=None, description="SASL password (masked in RunStarted and `crl config show`).")
     ssl_cafile: str | None = Field(default=None, description="CA bundle for SSL / SASL_SSL.")
     ssl_certfile: str | None = Field(default=None, description="Client certificate (mutual TLS).")
     ssl_keyfile: str | None = Field(default=None, description="Client key (mutual TLS).")
-    ssl_check_hostname: bool = True
+    ssl_check_hostname: bool = Field(default=True, description="Check the broker's certificate names its host.")
 
     # Producer: kafka-python's CPU is the bottleneck, so batch generously; 5 ms of linger costs nothing next to an
     # LLM generation and gave ~33k msg/s of 1 KiB here (KAFKA.md).
@@ -56,9 +58,10 @@ class KafkaSettings(BaseModel):
     )
 
     # Consumer: large fetches (44-92k msg/s with 2000-5000 records a poll here).
-    max_poll_records: int = Field(default=2000, gt=0)
-    fetch_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    max_partition_fetch_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_poll_records: int = Field(default=2000, gt=0, description="Most records one poll returns.")
+    fetch_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="Most bytes one fetch returns.")
+    max_partition_fetch_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0, description="Most bytes one fetch returns per partition.")
     # Group membership. Apache Kafka refuses a JoinGroup whose session timeout lies outside the broker's
     # [group.min.session.timeout.ms, group.max.session.timeout.ms] = [6,000, 1,800,000] ms by default; 6 s is the
     # shortest a stock broker (compose, the embedded Apache Kafka, a managed cluster) accepts. A dead member's
@@ -69,8 +72,9 @@ class KafkaSettings(BaseModel):
     heartbeat_interval_ms: int = Field(
         default=1000, gt=0, description="Group heartbeats; below the session timeout (a third of it is usual).")
     # Far above any gap between polls: an overrun leader left the live members without partitions on Tansu.
-    max_poll_interval_ms: int = Field(default=300_000, gt=0)
-    request_timeout_ms: int = Field(default=30_000, gt=0)
+    max_poll_interval_ms: int = Field(
+        default=300_000, gt=0, description="Longest gap between polls before a group member is considered gone.")
+    request_timeout_ms: int = Field(default=30_000, gt=0, description="How long a client waits for one request.")
     # Riding out a broker restart: clients reconnect at most a second after the broker is back (kafka-python's
     # default backs off up to 30 s), and a producer keeps a record for up to two minutes of outage before it
     # reports the send as failed.

@@ -61,3 +61,86 @@ def _config_settings(path: Path) -> Settings:
         for item in exc.errors(include_url=False):
             errors.print(f"  {'.'.join(str(part) for part in item['loc'])}: {item['msg']}")
         raise typer.Exit(2) from exc
+
+
+@config_app.command("reference")
+def config_reference() -> None:
+    """Print every setting (its YAML key, environment variable, default and meaning) as the Markdown page
+    docs/configuration.md: `crl config reference > docs/configuration.md`."""
+    console.print(settings_reference(), end="", markup=False, highlight=False, soft_wrap=True)
+
+
+REFERENCE_INTRO = """\
+# Configuration
+
+Every setting of the project, generated from the settings classes by `crl config reference` (a test keeps this page
+equal to its output). Settings are read once, at the command line, and passed down frozen. Three sources, the first
+that names a setting wins:
+
+1. `CRL_*` environment variables, `__` between levels: `CRL_SCHEDULER__STEPS=3`,
+   `CRL_ACTOR_TRAINER__MODEL__LORA__RANK=8`. Lists and mappings are JSON: `CRL_ENVS__TASKS='[{"env_id": "..."}]'`.
+2. A run config: YAML with the same structure (`configs/*.yaml`), named by `crl --config FILE`, by `CRL_CONFIG` or
+   as the argument of `crl run CONFIG`. Unknown keys are errors.
+3. The defaults below.
+
+`crl config show` prints the resolved settings of a config (passwords masked); `crl config check FILE...` validates
+configs. A bad value is reported field by field (`CRL_MAX_PAYLOAD_BYTES: Input should be greater than 0`) with exit
+code 2. `crl run` writes the resolved settings to `RUN_DIR/config.yaml` and its workers read only that file.
+"""
+
+
+def settings_reference() -> str:
+    """docs/configuration.md: one table per settings section, every field with its default and description."""
+    from pydantic import BaseModel
+
+    def rows(model: BaseModel, path: list[str]) -> list[tuple[list[str], BaseModel]]:
+        sections = [(path, model)]
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                sections += rows(value, [*path, name])
+        return sections
+
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in Settings.model_fields.items()}
+    top = Settings.model_construct(**defaults)
+    out = [REFERENCE_INTRO]
+    for path, model in rows(top, []):
+        leaves = [(name, field) for name, field in type(model).model_fields.items()
+                  if not isinstance(getattr(model, name), BaseModel)]
+        if not leaves:
+            continue
+        title = ".".join(path) or "top level"
+        doc = (type(model).__doc__ or "").strip().split("\n\n")[0] if path else ""
+        out.append(f"\n## `{title}`\n" if path else "\n## Top level\n")
+        if doc:
+            out.append("\n" + " ".join(doc.split()) + "\n")
+        out.append("\n| setting | variable | default | meaning |\n|---|---|---|---|\n")
+        for name, field in leaves:
+            key = ".".join([*path, name])
+            variable = "CRL_" + "__".join([*path, name]).upper()
+            default = _shown_default(getattr(model, name))
+            meaning = " ".join((field.description or "").split()).replace("|", "\\|")
+            out.append(f"| `{key}` | `{variable}` | {default} | {meaning} |\n")
+    return "".join(out)
+
+
+def _shown_default(value: object) -> str:
+    import json
+
+    from pydantic import SecretStr
+
+    if value is None:
+        return "none"
+    if isinstance(value, SecretStr):
+        return "(secret)"
+    if isinstance(value, Path):
+        text = str(value)
+        home = str(Path.home())
+        text = "~" + text[len(home):] if text.startswith(home) else text
+    elif isinstance(value, str):
+        text = value
+    else:
+        from pydantic import TypeAdapter
+
+        text = json.dumps(TypeAdapter(type(value)).dump_python(value, mode="json"))
+    return "`" + text.replace("|", "\\|") + "`"
