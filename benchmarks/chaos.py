@@ -2,7 +2,7 @@
 (issue 16's chaos benchmark).
 
     python benchmarks/chaos.py --quick                               # 3 runs
-    python benchmarks/chaos.py --runs 20 --seed 7                    # what the README quotes
+    python benchmarks/chaos.py --runs 20 --seed 7                    # what docs/benchmarks.md quotes
     python benchmarks/chaos.py --runs 6 --seed 3 --broker tansu      # the default broker, memory only
 
 Each run is a real `crl run configs/tiny-minihack-room.yaml --steps N --broker kafka` (the embedded Apache Kafka,

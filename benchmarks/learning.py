@@ -1,7 +1,7 @@
 """Does the complementary arm learn faster than GRPO at equal environment steps? (issue 6's learning benchmark)
 
     python benchmarks/learning.py                       # 4 arms x 3 seeds x 12 steps of the CPU default (~1.5 h)
-    python benchmarks/learning.py --steps 8 --seeds 3   # what the README quotes
+    python benchmarks/learning.py --steps 12 --seeds 3  # what docs/benchmarks.md quotes
     python benchmarks/learning.py --quick               # complementary and grpo, 1 seed, 3 steps (~4 min)
     python benchmarks/learning.py --config configs/smol-minihack-room.yaml --arms complementary grpo exp_only \
         --seeds 1 --steps 6                             # SmolLM2 as actor and extractor (~1 h)

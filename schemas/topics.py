@@ -1,7 +1,7 @@
 """The topic registry: every topic's name, partition count, key, event union and retention, declared once.
 
 Code refers to these objects, never to topic-name strings. Partition counts are final: the embedded broker cannot
-add partitions later (see shared/KAFKA.md), so pick them for the largest scale-out you expect. `crl.experience-ops`
+add partitions later (see docs/kafka.md), so pick them for the largest scale-out you expect. `crl.experience-ops`
 has exactly one partition so every bank replica applies the same ops in the same order.
 """
 

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.models.settings import GenerationSettings
 
 Arm = Literal["complementary", "grpo", "static_extractor", "exp_only"]
-"""Which method a run trains (PAPER.md baselines): `complementary` trains both models with guided/free groups;
-`grpo` trains the actor alone, every slot free, no bank; `static_extractor` freezes the extractor; `exp_only` freezes
-the actor and trains only the extractor."""
+"""Which method a run trains (the paper's baselines, docs/running.md): `complementary` trains both models with
+guided/free groups; `grpo` trains the actor alone, every slot free, no bank; `static_extractor` freezes the extractor;
+`exp_only` freezes the actor and trains only the extractor."""
 ARMS_WITH_A_BANK: frozenset[str] = frozenset({"complementary", "static_extractor", "exp_only"})
 """Every arm but `grpo` keeps an experience bank (and needs the workers that make and keep it)."""
 

@@ -27,7 +27,7 @@ USearch keys are integers: each family hands out increasing integers on add and 
 object (a re-added id gets a new key); the id <-> key maps are saved in the manifest. USearch refuses a duplicate
 key, so `add` of an existing id removes it first. Removal does not shrink a graph; rebuilding from the bank does.
 
-Not thread-safe: a replica serialises writes against searches (DESIGN.md §4: writer lock, reader lock).
+Not thread-safe: a replica serialises writes against searches (docs/bank.md: writer lock, reader lock).
 """
 
 from __future__ import annotations

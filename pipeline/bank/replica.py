@@ -5,7 +5,7 @@
     candidates, bank_offset = replica.search_candidates(query_vectors, ["minihack-room"], k=16)
 
 `LocalBank` is the part without Kafka: the state machine plus its index, with a writer lock for applying ops and
-shared reader locks for searching (DESIGN.md §4), usable directly in tests and benchmarks. `BankReplica` adds the
+shared reader locks for searching (docs/bank.md), usable directly in tests and benchmarks. `BankReplica` adds the
 follower (`pipeline.runtime.log`): it starts from the newest snapshot of the current log (or offset 0), applies every
 op in the follower's thread, and knows it is caught up when it has applied everything up to the partition's high
 watermark.

@@ -5,7 +5,7 @@
     trajectory.retrieved = tuple(e.ref() for e in found.experiences); trajectory.bank_offset = found.bank_offset
     retriever.close()
 
-How one query is served (PAPER.md "Retrieval", and "Extractor update: CISPO" -> retrieval diversification):
+How one query is served (the paper's retrieval and its diversification stabiliser; docs/design.md):
 1. Query: `query_text(goal, first_observation)`, embedded with the bank's sentence encoder (unit vectors). The same
    text keys the experiences an episode adds, so a query meets the experiences learnt on similar starts.
 2. Candidates: the `top_k * oversample` nearest experiences of the query's task family by cosine similarity

@@ -5,7 +5,7 @@
         outcome = state.apply(op, offset)     # Applied | Duplicate | Rejected(reason)
     state.state_hash()                        # equal on every replica that applied the same log
 
-Rules (DESIGN.md §4, PAPER.md "Experience operations"):
+Rules (docs/bank.md; the paper's experience operations, docs/design.md):
 - `ExperienceAdded` creates version 1 of a new id; an id that exists (even retired) is rejected.
 - `ExperienceRefined` keeps the id and bumps the version; the previous text stays in `history`.
 - `ExperienceMerged` creates a new experience whose `parents` are the sources, and retires every source with

@@ -33,7 +33,7 @@ def _missing(env_id: str, what: str, hint: str, exc: BaseException | None = None
 
 class AlfWorldEnv(TextEnv):
     """ALFWorld's TextWorld engine (`AlfredTWEnv`): one game file per seed, admissible commands as the action list,
-    reward +1 on success and -1 on failure (PAPER.md)."""
+    reward +1 on success and -1 on failure (the paper; docs/environments.md)."""
 
     env_id = "ALFWorld"
     task_family = "alfworld"

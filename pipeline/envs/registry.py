@@ -27,7 +27,7 @@ class EnvSpec:
     env_id: str
     task_family: str
     max_turns: int
-    """The paper's turn limit (PAPER.md, environments)."""
+    """The paper's turn limit (docs/environments.md)."""
     build: Callable[[EnvSettings, int, Split], TextEnv]
     """(env settings, max turns, split) -> a new environment."""
     runs_here: bool

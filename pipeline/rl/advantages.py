@@ -1,4 +1,4 @@
-"""Advantages for both trainers, and the extractor's training-count weights (PAPER.md, "Actor update" and
+"""Advantages for both trainers, and the extractor's training-count weights (docs/design.md, "The actor" and
 "Extractor update").
 
 - Actor (GRPO with subgroup advantages): a task's K rollouts split into a guided and a free subgroup; each reward is
@@ -54,7 +54,7 @@ def subgroup_advantages(
 
 
 def batch_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """The extractor's advantage: reward minus the batch mean, no std (PAPER.md, CISPO).
+    """The extractor's advantage: reward minus the batch mean, no std (the paper's CISPO; docs/design.md).
 
     rewards # (N,) float
     returns # (N,) float32

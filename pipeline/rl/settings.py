@@ -11,7 +11,7 @@ from pipeline.models.settings import ModelSettings
 
 
 class TrainerSettings(BaseModel):
-    """One trainer's optimiser, loss and batching. The actor runs GRPO, the extractor CISPO (PAPER.md)."""
+    """One trainer's optimiser, loss and batching. The actor runs GRPO, the extractor CISPO (docs/design.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

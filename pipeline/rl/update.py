@@ -56,7 +56,7 @@ def deterministic_torch(threads: int) -> None:
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
                    eps: float) -> torch.optim.AdamW:
-    """AdamW at a constant learning rate (PAPER.md) over the parameters that train (all of them, or a LoRA adapter's);
+    """AdamW at a constant learning rate (the paper) over the parameters that train (all of them, or a LoRA adapter's);
     `foreach=False` keeps the update order fixed."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False)

@@ -7,7 +7,7 @@ Two ways to consume:
   offsets are committed to Kafka.
 - **assign mode** (`KafkaAssignedInput`): the worker reads every partition itself and keeps its own positions (an
   `OffsetStore`, e.g. SQL). First record in ~0.03 s and exact resume; right for trainers, the bank and the
-  archiver, which read every partition anyway (shared/KAFKA.md).
+  archiver, which read every partition anyway (docs/kafka.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Imports flow `schemas <- infra <- pipeline <- workers`, and `schemas` does no I/O (STYLE.md, convention 1).
+"""Imports flow `schemas <- infra <- pipeline <- workers`, and `schemas` does no I/O (docs/architecture.md).
 
 Static check: every .py file of the four packages is parsed with `ast`; every `import x`, `from x import y`
 (relative ones resolved), `importlib.import_module("x")` and `__import__("x")` counts, wherever it stands: module
@@ -193,7 +193,7 @@ PIPELINE_LAYERS: tuple[frozenset[str], ...] = (
 )
 """Lowest first. A module of `pipeline/` may import its own package and the packages of lower layers, never a higher
 layer or another package of its own layer: runtime <- domain (envs, models <- bank <- actor, extractor <- rl) <-
-settings (the sections of every package, composed) <- audit, provenance <- run <- cli (DESIGN.md section 7).
+settings (the sections of every package, composed) <- audit, provenance <- run <- cli (docs/architecture.md).
 `pipeline/X.py` at the top of the tree counts as package X."""
 
 
