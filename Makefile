@@ -1,13 +1,15 @@
-# The two commands a new user runs (README):
+# The two commands a new user runs (README.md), the quick tier and the generated docs:
 #   make run     create .venv (pip; torch 2.13.0) and run the main job
-#   make test    create .venv, fetch Apache Kafka's jars, and run the whole test suite
+#   make test    create .venv, fetch Apache Kafka's jars, lint, type check and run the whole test suite
+#   make check   lint, type check, and the tests that need no service (before every commit; at most 3 minutes)
+#   make docs    regenerate docs/configuration.md and docs/cli.md from the code
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test venv kafka-jars clean
+.PHONY: run test check lint types docs venv kafka-jars clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +29,29 @@ kafka-jars: venv
 	else echo "no java on PATH: the Apache Kafka tests will be skipped (install openjdk-17-jre-headless)"; fi
 
 # The main job: Complementary RL end to end on the CPU default (embedded broker, every worker, live progress),
-# leaving a run directory with the archive, the bank, checkpoints, logs and report.html (~6.5 minutes the first time, 3-5 once the warm starts are cached).
+# leaving a run directory with the archive, the bank, checkpoints, logs and report.html.
 run: venv
 	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
 
-test: venv kafka-jars
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+# Every test, on two xdist workers: the tests that run whole `crl run`s or load SmolLM2 share one xdist group, so they
+# run one after another on one worker while the other takes the rest (docs/testing.md). Lint and types first.
+test: lint types kafka-jars
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# The quick tier, before every commit: lint, types, and the tests that need no broker, database or whole run.
+check: lint types
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/workers
+
+lint: venv
+	$(BIN)/ruff check .
+
+types: venv
+	$(BIN)/mypy
+
+# The generated reference pages (tests/unit/test_docs.py fails when they fall behind the code).
+docs: venv
+	$(BIN)/crl config reference > docs/configuration.md
+	$(BIN)/typer pipeline.cli utils docs --name crl --title "crl: every command and option" --output docs/cli.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,22 +32,61 @@ from infra.tansu import TansuBroker, locate_tansu
 
 APACHE_KAFKA_IMAGE = f"apache/kafka:{KAFKA_VERSION}"
 _CHOSEN: dict[str, str] = {}
-"""Which real broker each tier ran on, for the session summary."""
-MEASURED: list[str] = []
-"""Lines tests measured, for the session summary (the `report_measurement` fixture appends to it)."""
+"""Which real broker each tier runs on in this process; every test that takes a broker records it (below)."""
+SUMMARY = "session summary"
+"""The key of the `user_properties` entries printed at the end of the run. Test reports carry them from pytest-xdist's
+worker processes to the one that prints, where module globals of the workers would be lost."""
 
 
 @pytest.fixture
-def report_measurement():
+def report_measurement(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """A function that puts one line of what the test measured in the session summary."""
-    return MEASURED.append
+    return lambda line: request.node.user_properties.append((SUMMARY, line))
+
+
+def _record_tier(request: pytest.FixtureRequest, tier: str) -> None:
+    request.node.user_properties.append((SUMMARY, f"broker tier {tier}: {_CHOSEN[tier]}"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for tier, how in sorted(_CHOSEN.items()):
-        terminalreporter.write_line(f"broker tier {tier}: {how}")
-    for line in MEASURED:
+    lines: dict[str, None] = {}  # in order, once each
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == SUMMARY and getattr(report, "when", "call") == "call":
+                    lines[str(value)] = None
+    tiers = sorted(line for line in lines if line.startswith("broker tier "))
+    for line in [*tiers, *(line for line in lines if not line.startswith("broker tier "))]:
         terminalreporter.write_line(line)
+
+
+TIER_OF_FOLDER = {"integration": "integration", "e2e": "e2e"}
+RUNS_GROUP = "runs"
+APACHE_KAFKA_FIXTURES = {"apache_kafka", "apache_kafka_bootstrap", "kafka_jars"}
+APACHE_KAFKA_PARAMS = {"apache-kafka", "kafka"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks say what a test needs, and never drop a test they do not describe: every test of tests/integration and
+    tests/e2e carries its folder's mark, and a test carries `apache_kafka` exactly when it runs on Apache Kafka (a
+    fixture of that tier, or the tier's parameter of a broker fixture). Whole runs and SmolLM2 share one xdist group:
+    under `-n 2 --dist loadgroup` they run one after another, never two side by side on two cores."""
+    wrong = []
+    for item in items:
+        folder = item.path.relative_to(config.rootpath / "tests").parts[0]
+        if folder in TIER_OF_FOLDER:
+            item.add_marker(TIER_OF_FOLDER[folder])
+        if item.get_closest_marker("e2e") or item.get_closest_marker("pretrained"):
+            item.add_marker(pytest.mark.xdist_group(RUNS_GROUP))
+        params = getattr(item, "callspec", None)
+        needs_kafka = bool(APACHE_KAFKA_FIXTURES & set(getattr(item, "fixturenames", ()))) or (
+            params is not None and bool(APACHE_KAFKA_PARAMS & {str(v) for v in params.params.values()}))
+        if needs_kafka != (item.get_closest_marker("apache_kafka") is not None):
+            wrong.append(item.nodeid)
+    if wrong:
+        raise pytest.UsageError("the apache_kafka mark must be on exactly the tests that run on Apache Kafka; "
+                                f"wrong on: {wrong}")
 
 
 @dataclass(frozen=True)
@@ -209,9 +248,11 @@ BROKER_TIERS = ["tansu", pytest.param("apache-kafka", marks=pytest.mark.apache_k
 def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
     """A real broker with every registry topic created and empty."""
     if request.param == "tansu":
-        return _tansu_with_topics(request.getfixturevalue("tansu"))
-    bootstrap = request.getfixturevalue("apache_kafka")
-    reset_apache_kafka(bootstrap, create=True)
+        bootstrap = _tansu_with_topics(request.getfixturevalue("tansu"))
+    else:
+        bootstrap = request.getfixturevalue("apache_kafka")
+        reset_apache_kafka(bootstrap, create=True)
+    _record_tier(request, request.param)
     return bootstrap
 
 
@@ -219,14 +260,18 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
 def empty_kafka(request: pytest.FixtureRequest) -> TestBroker:
     """A real broker with no topics at all (for what creates them)."""
     if request.param == "tansu":
-        return TestBroker("tansu", request.getfixturevalue("tansu").bootstrap_servers)
-    bootstrap = request.getfixturevalue("apache_kafka")
-    reset_apache_kafka(bootstrap, create=False)
-    return TestBroker("apache-kafka", bootstrap)
+        broker = TestBroker("tansu", request.getfixturevalue("tansu").bootstrap_servers)
+    else:
+        bootstrap = request.getfixturevalue("apache_kafka")
+        reset_apache_kafka(bootstrap, create=False)
+        broker = TestBroker("apache-kafka", bootstrap)
+    _record_tier(request, request.param)
+    return broker
 
 
 @pytest.fixture
-def apache_kafka_bootstrap(apache_kafka: str) -> str:
+def apache_kafka_bootstrap(request: pytest.FixtureRequest, apache_kafka: str) -> str:
     """Apache Kafka alone (for what only it shows), every registry topic created and empty."""
     reset_apache_kafka(apache_kafka, create=True)
+    _record_tier(request, "apache-kafka")
     return apache_kafka

@@ -4,12 +4,12 @@ breadth-first search, so every room is solvable and its optimal solution is know
     room = generate_room(seed=3)               # Room(walls, targets, boxes, player, solution)
     env = SokobanEnv(max_turns=30); goal, observation = env.reset(seed=3)
 
-Symbols (PAPER.md): W wall, . floor, G target, B box, C box on target, A player, @ player on target.
+Symbols (the paper's): W wall, . floor, G target, B box, C box on target, A player, @ player on target.
 Actions: up, down, left, right. Walking into a wall or pushing a box into a wall or another box leaves the room as it
 was (a valid action without effect, as in Sokoban).
 
 Why a generator of our own: the maintained packages (gym-sokoban, textarena, gem-llm) carry the same 2019 reverse-play
-generator (~10 ms a room, ~9% failures, no solution, a stale gym dependency; shared/NOTES.md). This one is small,
+generator (~10 ms a room, ~9% failures, no solution, a stale gym dependency). This one is small,
 deterministic, and verifies each room with a BFS solver.
 """
 

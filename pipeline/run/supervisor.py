@@ -114,7 +114,10 @@ class RunSupervisor:
             self.follower = LogFollower(self.settings, self.progress).start()
             for worker in self.workers:
                 self._spawn(worker)
-            self._watch()
+            try:
+                self._watch()
+            except RunFailedError as exc:  # a run that started and then failed can be continued
+                raise RunFailedError(f"{exc}. {self.resume_hint()}") from exc
         finally:
             try:
                 self._stop_workers()
@@ -277,8 +280,7 @@ class RunSupervisor:
                     raise RunFailedError(f"reading the log failed: {self.follower.failure}")
                 if self.broker is not None and not self.broker.is_running():
                     self.broker_lost = True
-                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}. "
-                                         + self.resume_hint())
+                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
                 if self.interrupts == 1 and not self.stop_sent:
                     self._request_stop("interrupted (Ctrl-C)")
                 if self.interrupts >= 2:

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.audit.views import Audit
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.e2e, pytest.mark.pretrained, pytest.mark.timeout(3000)]
 
 CRL = [sys.executable, "-m", "pipeline.cli"]
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from infra.broker_process import port_is_free
 from schemas.codec import encode
 from schemas.examples import example_events
 from schemas.topics import EVENT_TYPES, TOPICS, topic_of
@@ -141,11 +142,15 @@ def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind, request):
     assert not broker_file.exists()
     assert not _alive(broker["pid"])
     if kind == "kafka":
-        # Apache Kafka's log lives in the run directory: the same command continues it, records and all
+        # Apache Kafka's log lives in the run directory: the same command continues it, records and all, on the
+        # same address when its ports are still free (another process may have taken one meanwhile)
+        remembered = json.loads((run_dir / "kafka" / "listeners.json").read_text())
+        free = all(port_is_free(port) for port in remembered.values())
         again = _stack_up(run_dir, kind, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             _wait_for(broker_file)
-            assert json.loads(broker_file.read_text())["bootstrap_servers"] == broker["bootstrap_servers"]
+            address = json.loads(broker_file.read_text())["bootstrap_servers"]
+            assert (address == broker["bootstrap_servers"]) == free, (address, broker["bootstrap_servers"], free)
             described = crl("topics", "describe", "--run-dir", str(run_dir))
             assert described.returncode == 0, described.stdout + described.stderr
             dead_letters = next(line for line in described.stdout.splitlines() if "crl.dead-letters" in line)
@@ -193,15 +198,29 @@ def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
 
 
 def test_every_command_has_help_text():
-    for command in (["--help"], ["topics", "--help"], ["topics", "create", "--help"], ["topics", "list", "--help"],
-                    ["topics", "describe", "--help"], ["stack", "up", "--help"], ["worker", "--help"],
-                    ["doctor", "--help"], ["audit", "sql", "--help"], ["audit", "events", "--help"]):
-        result = crl(*command)
-        assert result.returncode == 0, command
-        assert "Usage" in result.stdout
-    top = crl("--help").stdout
-    for name in ("topics", "stack", "worker", "doctor", "audit"):
-        assert name in top
+    """The installed command answers `--help` in a process of its own; then every command of the tree, in this
+    process (a process per command would only time Python's start-up again), says what it does."""
+    import typer
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    top = crl("--help")
+    assert top.returncode == 0 and "Usage" in top.stdout, top.stderr
+    root = typer.main.get_command(app)
+    for name in ("run", "topics", "stack", "worker", "doctor", "audit", "replay", "report", "config", "envs"):
+        assert name in top.stdout
+
+    def paths(command, prefix):  # every command of the tree, groups included
+        yield prefix, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from paths(sub, [*prefix, name])
+
+    runner = CliRunner()
+    for path, command in paths(root, []):
+        assert (command.help or "").strip(), f"crl {' '.join(path)} has no help text"
+        result = runner.invoke(app, [*path, "--help"])
+        assert result.exit_code == 0 and "Usage" in result.output, (path, result.output)
 
 
 def test_topics_create_then_doctor_against_an_external_broker(empty_kafka):

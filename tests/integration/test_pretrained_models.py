@@ -16,7 +16,7 @@ from pipeline.models.presets import PRESETS, prepared_preset
 from pipeline.models.settings import ModelSettings
 from pipeline.rl.training import initial_policy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pretrained]
 
 CHAT = [{"role": "system", "content": "You are a helpful assistant. Answer in one word."},
         {"role": "user", "content": "What is the capital of France?"}]
