@@ -33,10 +33,10 @@ kafka-jars: venv
 run: venv
 	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
 
-# Every test, on two xdist workers: the tests that run whole `crl run`s or load SmolLM2 share one xdist group, so they
+# Every test, on two xdist workers: the tests that run whole `crl run`s or load SmolLM2 form one unit of work, so they
 # run one after another on one worker while the other takes the rest (docs/testing.md). Lint and types first.
 test: lint types kafka-jars
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2
 
 # The quick tier, before every commit: lint, types, and the tests that need no broker, database or whole run.
 check: lint types

@@ -61,24 +61,56 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 TIER_OF_FOLDER = {"integration": "integration", "e2e": "e2e"}
-RUNS_GROUP = "runs"
+RUNS = ("tests/e2e/", "tests/integration/test_pretrained_models.py")
+"""The tests that run whole `crl run`s or load SmolLM2: under pytest-xdist they run one after another on one worker."""
+LAST_RUN = "tests/e2e/test_scenario.py::"
+"""...but for the Apache Kafka scenario (`[kafka]`): a unit of its own, last, for the worker that frees up first."""
 APACHE_KAFKA_FIXTURES = {"apache_kafka", "apache_kafka_bootstrap", "kafka_jars"}
 APACHE_KAFKA_PARAMS = {"apache-kafka", "kafka"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def _is_last_run(nodeid: str) -> bool:
+    return nodeid.startswith(LAST_RUN) and nodeid.endswith("[kafka]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (`make test` runs `-n 2`): the tests of `RUNS` form one unit of work, given to one worker
+    and run in order there, while the other worker takes every other test one at a time; the Apache Kafka scenario
+    comes last, as a unit of its own. Two whole runs side by side would only fight over two cores and the memory.
+    (pytest-xdist's own `--dist loadgroup` cannot do this with pytest 9: the group it appends to a test's id no
+    longer reaches the scheduler.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RunsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if _is_last_run(nodeid):
+                return "apache-kafka scenario"
+            return "runs" if nodeid.startswith(RUNS) else nodeid
+
+    return RunsTogether(config, log)
+
+
+def _order(item: pytest.Item) -> int:
+    """Where a test runs in the suite. SmolLM2 first: its warm starts are the longest thing a fresh machine computes,
+    and nothing else runs beside them on that worker. The Apache Kafka scenario last: by then the other worker has
+    finished the short tests and takes it."""
+    if _is_last_run(item.nodeid):
+        return 3
+    if item.nodeid.startswith(RUNS):
+        return 0 if item.get_closest_marker("pretrained") else 1
+    return 2
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks say what a test needs, and never drop a test they do not describe: every test of tests/integration and
     tests/e2e carries its folder's mark, and a test carries `apache_kafka` exactly when it runs on Apache Kafka (a
-    fixture of that tier, or the tier's parameter of a broker fixture). Whole runs and SmolLM2 share one xdist group:
-    under `-n 2 --dist loadgroup` they run one after another, never two side by side on two cores."""
+    fixture of that tier, or the tier's parameter of a broker fixture). Then the tests are put in `_order`."""
     wrong = []
     for item in items:
         folder = item.path.relative_to(config.rootpath / "tests").parts[0]
         if folder in TIER_OF_FOLDER:
             item.add_marker(TIER_OF_FOLDER[folder])
-        if item.get_closest_marker("e2e") or item.get_closest_marker("pretrained"):
-            item.add_marker(pytest.mark.xdist_group(RUNS_GROUP))
         params = getattr(item, "callspec", None)
         needs_kafka = bool(APACHE_KAFKA_FIXTURES & set(getattr(item, "fixturenames", ()))) or (
             params is not None and bool(APACHE_KAFKA_PARAMS & {str(v) for v in params.params.values()}))
@@ -87,6 +119,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("the apache_kafka mark must be on exactly the tests that run on Apache Kafka; "
                                 f"wrong on: {wrong}")
+    items.sort(key=_order)
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ class BankStore:
         for chunk in _chunks(ids, _IDS_PER_QUERY):
             query = (select(columns.experience_id, func.max(columns.version))
                      .where(columns.experience_id.in_(chunk)).group_by(columns.experience_id))
-            stored.update(dict(connection.execute(query).tuples().all()))
+            stored.update(dict(connection.execute(query).all()))
         return [
             {
                 "experience_id": experience_id, "version": version.version, "text": version.text,

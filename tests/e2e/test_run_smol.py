@@ -29,9 +29,12 @@ def _crl(*args: str, env: dict[str, str], timeout: float) -> subprocess.Complete
 def smol_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     run_dir = tmp_path_factory.mktemp("e2e") / "smol"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    # An extractor step needs a buffer of generations with outcomes; two suffice for a two-step run.
+    # An extractor step needs a buffer of generations with outcomes; two suffice for a two-step run. The warm-started
+    # extractor's answers that parse are 25-45 tokens long: 64 new tokens keep every one of them and cut short only
+    # the answers that run on, which do not parse at any length (the config allows 96).
     env.update({"HF_HUB_OFFLINE": "1", "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "2",
-                "CRL_SCHEDULER__EVAL_EVERY": "0", "CRL_SCHEDULER__MERGE_EVERY": "0"})
+                "CRL_SCHEDULER__EVAL_EVERY": "0", "CRL_SCHEDULER__MERGE_EVERY": "0",
+                "CRL_EXTRACTOR__GENERATION__MAX_NEW_TOKENS": "64"})
     result = _crl("run", "configs/smol-minihack-room.yaml", "--steps", "2", "--run-dir", str(run_dir), "--no-report",
                   env=env, timeout=2700)
     if result.returncode != 0:
