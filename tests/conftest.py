@@ -88,6 +88,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
                 return "apache-kafka scenario"
             return "runs" if nodeid.startswith(RUNS) else nodeid
 
+    config.option.loadscopereorder = False  # units in the order `_order` gave, not the largest first
     return RunsTogether(config, log)
 
 
