@@ -217,6 +217,11 @@ def _play(scenario: Scenario) -> None:
     run.wait_for_training(timeout=wait_s)
     run.process.send_signal(signal.SIGINT)
     scenario.phases["ctrl-c"] = run.end()
+    scenario.notes["broker file after ctrl-c"] = (run_dir / "broker.json").exists()
+    with Audit(run_dir) as audit:
+        scenario.notes["archived at ctrl-c"] = audit.query(
+            "SELECT (SELECT count(*) FROM trajectory_completed), (SELECT count(*) FROM train_steps "
+            "WHERE role = 'actor')")[1][0]
 
     # 5: resume, then the broker dies.
     run = Invocation(scenario, resume)
@@ -302,7 +307,12 @@ def test_ctrl_c_stops_the_run_and_archives_everything_recorded(scenario):
         text = _log_since(scenario.run_dir, f"{instance}.log", phase.log_offsets)
         assert "stopped (SIGTERM)" in text or "stopped (finished)" in text, instance
     assert not any(_alive(worker["pid"]) for worker in phase.table.values())
-    scenario.phase("broker killed")  # the resume after it read the stopped attempt back
+    assert not scenario.notes["broker file after ctrl-c"], "the broker was stopped and its address file removed"
+    trajectories, trained = scenario.notes["archived at ctrl-c"]
+    assert trajectories >= 2 * EPISODES and trained >= 1, "the steps played so far are in the archive"
+    resumed = scenario.phase("broker killed")  # the resume after it read the stopped attempt back
+    if scenario.broker == "tansu":  # drained before it stopped: the whole log was archived, and came back from there
+        assert "records from the archive into the fresh broker" in resumed.output
     attempt = 2 if scenario.supervision else 1
     with Audit(scenario.run_dir) as audit:
         assert ("stopped", "interrupted (Ctrl-C)") in audit.query("SELECT status, reason FROM run_finished")[1]
@@ -329,6 +339,8 @@ def test_the_last_resume_completes_the_run_with_every_step_once(scenario):
 
         assert [attempt for (attempt,) in rows("SELECT attempt FROM run_resumed ORDER BY attempt")] == \
             list(range(1, attempts + 1))
+        if scenario.supervision:  # the failing supervisor asked the scheduler to stop: it may have closed it first
+            assert rows("SELECT previous_status FROM run_resumed WHERE attempt = 1")[0][0] in ("interrupted", "stopped")
         assert ("completed",) in rows("SELECT status FROM run_finished")
         # every step exactly once: each assignment once, each with one trajectory, no trajectory twice
         episodes = STEPS * EPISODES
