@@ -112,11 +112,10 @@ def sequential_step(bank: LocalBank, encoder, settings: RetrievalSettings, texts
     for caller in range(TASKS * SLOTS):
         vector = encoder.encode([texts[caller // SLOTS]], convert_to_numpy=True, normalize_embeddings=True)
         candidates, _offset = bank.search_candidates(vector, [FAMILY], settings.top_k * settings.oversample)
-        now = time.monotonic()
-        for experience in diversify(candidates[0], served, now, settings):
+        for experience in diversify(candidates[0], served, 0, settings):
             record = served.setdefault(experience.experience_id, ServeRecord())
             record.count += 1
-            record.last_served = now
+            record.last_step = 0
     return time.perf_counter() - began
 
 

@@ -154,12 +154,12 @@ class EpisodePlayer:
         self.active += started_episodes
 
     def _retrieve(self, episodes: list[Episode], questions: list[str]) -> None:
-        from pipeline.bank.retrieval import query_text
+        from pipeline.bank.retrieval import Query, query_text
 
         if self.retriever is None:
             raise InvalidStateError("guided episodes need a retriever")
         started = time.perf_counter()
-        found = self.retriever.retrieve_many([(query_text(e.goal, q), e.assignment.task_family)
+        found = self.retriever.retrieve_many([Query(query_text(e.goal, q), e.assignment.task_family, e.assignment.step)
                                               for e, q in zip(episodes, questions, strict=True)])
         share = (time.perf_counter() - started) / len(episodes)
         for episode, retrieval in zip(episodes, found, strict=True):

@@ -1,7 +1,7 @@
 """Experience retrieval for guided episodes: embed the episode's query, search its task family, diversify.
 
     retriever = Retriever(bank, load_sentence_encoder("all-MiniLM-L6-v2"), RetrievalSettings())
-    found = retriever.retrieve(query_text(task.goal, first_observation), task.task_family)  # blocks ~1 ms + work
+    found = retriever.retrieve(query_text(task.goal, first_observation), task.task_family, step)  # ~1 ms + work
     trajectory.retrieved = tuple(e.ref() for e in found.experiences); trajectory.bank_offset = found.bank_offset
     retriever.close()
 
@@ -10,10 +10,13 @@ How one query is served (the paper's retrieval and its diversification stabilise
    text keys the experiences an episode adds, so a query meets the experiences learnt on similar starts.
 2. Candidates: the `top_k * oversample` nearest experiences of the query's task family by cosine similarity
    (`LocalBank.search_candidates`; the index keeps one structure per family, so the family filter is the search).
-3. Diversification: the candidate at 0-based similarity rank `r` scores
-   `s = -r - diversity_lambda * log(1 + count) - [served less than recency_window_s ago]`, and the `top_k` best `s`
-   are served (ties: the more similar first). Without it the same few experiences would guide every episode, and
-   the extractor would get credit signal for only those.
+3. Margin: only candidates whose similarity is within `similarity_margin` of the best one's stay eligible (the
+   `top_k` most similar always do), so diversification spreads serves over near-equivalent experiences and never
+   hands an episode a clearly worse match, such as another task's lesson once the closest one has been served.
+4. Diversification: the eligible candidate at 0-based similarity rank `r` scores
+   `s = -r - diversity_lambda * log(1 + count) - [served to an episode of the last recency_window_steps steps]`,
+   and the `top_k` best `s` are served (ties: the more similar first). Without it the same few experiences would
+   guide every episode, and the extractor would get credit signal for only those.
 
 Batching: concurrent `retrieve` calls go through one background batcher thread, which takes up to `max_batch`
 queries, waiting at most `max_wait_s` after the first of them arrived. A batch makes one `encoder.encode` call (only
@@ -22,7 +25,10 @@ for distinct texts not in the LRU cache; the guided slots of one task share a qu
 or the batch's exception. `retrieve_many` serves a caller's own batch the same way, on the caller's thread.
 
 How this departs from the paper's description:
-- `count` and the recency clock are what this Retriever served, kept per process. The bank's `retrievals` counter
+- Recency counts training steps (the step of the episode served), not wall-clock seconds: the paper's 300 s is a
+  fraction of a step at its scale and a whole run at ours. The margin (step 3) is ours: with the paper's bank of
+  thousands of experiences the next-ranked candidate is a near-equivalent; with a few hundred it often is not.
+- `count` and the last step served are what this Retriever served, kept per process. The bank's `retrievals` counter
   is event-derived (a `TrajectoryCompleted` reports what an episode used) and arrives only when the episode ends,
   minutes later; counting at serve time is what lets the concurrent slots of one step spread over experiences.
   Several rollout processes therefore diversify independently.
@@ -38,10 +44,10 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -73,7 +79,8 @@ class RetrievedExperience:
     similarity_rank: int = 0
     """0-based rank of the experience among the query's candidates by similarity."""
     diversified_score: float = 0.0
-    """`-rank - lambda * log(1 + count) - recent` at serve time; the experiences served are the best by this."""
+    """`-rank - lambda * log(1 + count) - recent` at serve time; the eligible experiences served are the best by
+    this."""
 
     def ref(self) -> ExperienceRef:
         return ExperienceRef(experience_id=self.experience_id, version=self.version, generation_id=self.generation_id)
@@ -97,26 +104,47 @@ def query_text(goal: str, first_observation: str) -> str:
     return f"Goal: {goal.strip()}\nObservation: {first_observation.strip()}"
 
 
+class Query(NamedTuple):
+    """One episode's retrieval request."""
+
+    text: str
+    """`query_text(goal, first_observation)`, or a question the episode asked."""
+    task_family: str
+    step: int = 0
+    """Training step of the episode: recency is counted in steps."""
+
+
 @dataclass
 class ServeRecord:
     """What this process served of one experience."""
 
     count: int = 0
-    last_served: float = -math.inf
-    """`clock()` reading of the last serve."""
+    last_step: int | None = None
+    """Step of the last episode it was served to."""
 
 
-def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord], now: float,
+def eligible(candidates: Sequence[Candidate], settings: RetrievalSettings) -> list[Candidate]:
+    """The candidates diversification may choose from: those within `similarity_margin` of the best similarity,
+    and at least the `top_k` most similar. candidates: most similar first."""
+    if settings.similarity_margin is None or not candidates:
+        return list(candidates)
+    floor = candidates[0].score - settings.similarity_margin
+    return [c for rank, c in enumerate(candidates) if rank < settings.top_k or c.score >= floor]
+
+
+def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord], step: int,
               settings: RetrievalSettings) -> list[RetrievedExperience]:
-    """The `top_k` candidates by `s = -r - lambda * log(1 + count) - recent`, best first (ties: lower `r`).
+    """The `top_k` eligible candidates by `s = -r - lambda * log(1 + count) - recent`, best first (ties: lower `r`).
 
     candidates: one query's candidates, most similar first (r = position). served: the counters at serve time.
+    step: the episode's training step; an experience last served within `recency_window_steps` steps is recent.
     """
     scored = []
-    for rank, candidate in enumerate(candidates):
+    for rank, candidate in enumerate(eligible(candidates, settings)):
         record = served.get(candidate.experience_id)
         count = 0 if record is None else record.count
-        recent = record is not None and now - record.last_served < settings.recency_window_s
+        recent = (record is not None and record.last_step is not None
+                  and step - record.last_step < settings.recency_window_steps)
         score = -rank - settings.diversity_lambda * math.log1p(count) - (1.0 if recent else 0.0)
         scored.append((score, rank, candidate))
     scored.sort(key=lambda item: (-item[0], item[1]))
@@ -137,8 +165,7 @@ class RetrievalCounters:
 
 @dataclass
 class _Request:
-    text: str
-    task_family: str
+    query: Query
     arrived: float
     """`time.monotonic()` when the caller queued it: the batch deadline counts from its first request."""
     future: Future[Retrieval]
@@ -152,18 +179,15 @@ class Retriever:
     """Batched, cached, diversified experience retrieval over a `LocalBank` (or a `BankReplica`). Thread-safe."""
 
     def __init__(self, bank: LocalBank, encoder: SentenceEncoder,
-                 settings: RetrievalSettings = RetrievalSettings(),  # frozen, so one shared default is safe
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: RetrievalSettings = RetrievalSettings()) -> None:  # frozen: one shared default is safe
         """
         bank: what to search; searched under its reader lock, so a replica may apply ops meanwhile.
         encoder: embeds query texts (`encode(texts, convert_to_numpy=True, normalize_embeddings=True)` -> (n, dim));
             it must be the model the bank's keys come from.
-        clock: seconds, for the recency window only (batch deadlines always use `time.monotonic`).
         """
         self.bank = bank
         self.encoder = encoder
         self.settings = settings
-        self.clock = clock
         self.counters = RetrievalCounters()
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -177,10 +201,10 @@ class Retriever:
 
     # ------------------------------------------------------------------------------------------------- callers
 
-    def retrieve(self, query: str, task_family: str) -> Retrieval:
-        """Experiences for one episode. Blocks while the batcher gathers concurrent queries (<= max_wait_s) and
-        serves the batch; raises whatever that batch raised."""
-        request = _Request(query, task_family, time.monotonic(), Future())
+    def retrieve(self, query: str, task_family: str, step: int = 0) -> Retrieval:
+        """Experiences for one episode of training step `step`. Blocks while the batcher gathers concurrent queries
+        (<= max_wait_s) and serves the batch; raises whatever that batch raised."""
+        request = _Request(Query(query, task_family, step), time.monotonic(), Future())
         with self._lifecycle:
             if self._closed:
                 raise InvalidStateError("the retriever is closed")
@@ -190,26 +214,28 @@ class Retriever:
             self._queue.put(request)
         return request.future.result()
 
-    def retrieve_many(self, queries: Sequence[tuple[str, str]]) -> list[Retrieval]:
-        """Serve `(query_text, task_family)` pairs as one batch on this thread, whatever their number: one encode
-        for the distinct uncached texts, one search, then ranking and serving in the given order."""
+    def retrieve_many(self, queries: Sequence[Query | tuple[str, str]]) -> list[Retrieval]:
+        """Serve queries (`Query`, or `(text, task_family)` at step 0) as one batch on this thread, whatever their
+        number: one encode for the distinct uncached texts, one search, then ranking and serving in the given order."""
         if not queries:
             return []
-        vectors_by_text = self._embed(list(dict.fromkeys(text for text, _family in queries)))
-        distinct = list(dict.fromkeys(queries))  # identical (text, family) pairs share one search row
+        requests = [Query(*query) for query in queries]
+        vectors_by_text = self._embed(list(dict.fromkeys(query.text for query in requests)))
+        # identical (text, family) pairs share one search row
+        distinct = list(dict.fromkeys((query.text, query.task_family) for query in requests))
         row_of = {pair: row for row, pair in enumerate(distinct)}
         matrix = np.stack([vectors_by_text[text] for text, _family in distinct])  # (distinct, dim)
         k = self.settings.top_k * self.settings.oversample
         candidates, bank_offset = self.bank.search_candidates(matrix, [family for _text, family in distinct], k)
         results = []
         with self._serve_lock:
-            now = self.clock()
-            for pair in queries:
-                chosen = diversify(candidates[row_of[pair]], self._served, now, self.settings)
+            for query in requests:
+                row = row_of[(query.text, query.task_family)]
+                chosen = diversify(candidates[row], self._served, query.step, self.settings)
                 for experience in chosen:
                     record = self._served.setdefault(experience.experience_id, ServeRecord())
                     record.count += 1
-                    record.last_served = now
+                    record.last_step = query.step if record.last_step is None else max(record.last_step, query.step)
                 results.append(Retrieval(tuple(chosen), bank_offset))
             self.counters.queries += len(queries)
             self.counters.batches += 1
@@ -219,7 +245,7 @@ class Retriever:
         """A copy of what this Retriever has served of `experience_id` (count 0 if never)."""
         with self._serve_lock:
             record = self._served.get(experience_id, ServeRecord())
-            return ServeRecord(record.count, record.last_served)
+            return ServeRecord(record.count, record.last_step)
 
     def metrics(self) -> dict[str, float]:
         with self._serve_lock:
@@ -307,7 +333,7 @@ class Retriever:
 
     def _serve(self, batch: list[_Request]) -> None:
         try:
-            results = self.retrieve_many([(request.text, request.task_family) for request in batch])
+            results = self.retrieve_many([request.query for request in batch])
         except BaseException as exc:  # noqa: BLE001 - every caller in the batch gets it; the batcher lives on
             for request in batch:
                 request.future.set_exception(exc)

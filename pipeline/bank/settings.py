@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class BankSettings(BaseModel):
@@ -31,9 +33,18 @@ class EmbeddingSettings(BaseModel):
 
 
 class RetrievalSettings(BaseModel):
-    """How experiences are retrieved for guided episodes (paper defaults: top-1, B=16, t_max 1 ms, x16, 0.4, 300 s)."""
+    """How experiences are retrieved for guided episodes (paper: top-1, B=16, t_max 1 ms, x16, lambda 0.4, a 300 s
+    recency window; here recency counts training steps and a similarity margin bounds the diversification)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "recency_window_s" in data:
+            raise ValueError("retrieval.recency_window_s was replaced by retrieval.recency_window_steps: recency now "
+                             "counts training steps, not wall-clock seconds (docs/bank.md#retrieval)")
+        return data
 
     top_k: int = Field(default=1, ge=1, description="Experiences served per guided episode (the paper shows one).")
     max_batch: int = Field(
@@ -50,9 +61,15 @@ class RetrievalSettings(BaseModel):
     diversity_lambda: float = Field(
         default=0.4, ge=0, description="Weight of log(1 + times served) in the diversification score; 0 turns it off.",
     )
-    recency_window_s: float = Field(
-        default=300.0, ge=0,
-        description="An experience served less than this many seconds ago loses 1 point; 0 turns the penalty off.",
+    similarity_margin: float | None = Field(
+        default=0.05, ge=0,
+        description="Diversify only among candidates whose cosine similarity is within this of the best one's (the "
+        "top_k most similar are always eligible); None: among all candidates, as the paper's Eq. 6 does.",
+    )
+    recency_window_steps: int = Field(
+        default=1, ge=0,
+        description="An experience served to an episode of this step or of the previous `recency_window_steps - 1` "
+        "steps loses 1 point; 0 turns the penalty off.",
     )
     cache_size: int = Field(
         default=4096, ge=0,

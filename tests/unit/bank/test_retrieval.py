@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from pipeline.bank.replica import LocalBank
 from pipeline.bank.retrieval import (
+    Query,
     RetrievalSettings,
     Retriever,
     ServeRecord,
@@ -31,8 +32,10 @@ from schemas.trajectories import ExperienceRef
 
 WHO = Producer(worker="extractor", instance="extractor-0")
 MODEL = "all-MiniLM-L6-v2"
-OFF = {"diversity_lambda": 0.0, "recency_window_s": 0.0}
+OFF = {"diversity_lambda": 0.0, "recency_window_steps": 0}
 """Diversification off: the score is -rank alone."""
+PAPER = {"diversity_lambda": 0.4, "recency_window_steps": 1, "similarity_margin": None}
+"""The paper's diversification (Eq. 6) over every candidate, recency counted in steps."""
 
 
 class HashEncoder:
@@ -133,46 +136,40 @@ def test_with_top_1_and_diversification_off_the_nearest_is_served_every_time() -
 ABC = {"A": (1.0, 0.1, 0.0, 0.0), "B": (1.0, 0.5, 0.0, 0.0), "C": (1.0, 1.5, 0.0, 0.0)}
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def abc_retriever(clock: FakeClock) -> Retriever:
+def abc_retriever(**settings: object) -> Retriever:
     bank = bank_of([added(f"op-{name}", name, vector) for name, vector in ABC.items()])
     encoder = HashEncoder(dim=4, fixed={"q": np.array([1.0, 0.0, 0.0, 0.0])})
-    settings = RetrievalSettings(top_k=1, oversample=3, diversity_lambda=0.4, recency_window_s=300.0)
-    return Retriever(bank, encoder, settings, clock=clock)
+    return Retriever(bank, encoder, RetrievalSettings(**{"top_k": 1, "oversample": 3, **PAPER, **settings}))
 
 
-def serve_one(retriever: Retriever) -> tuple[str, float]:
-    (experience,) = retriever.retrieve_many([("q", "room")])[0].experiences
+def serve_one(retriever: Retriever, step: int) -> tuple[str, float]:
+    (experience,) = retriever.retrieve_many([Query("q", "room", step)])[0].experiences
     return experience.experience_id, experience.diversified_score
 
 
 def test_diversification_by_hand() -> None:
-    clock = FakeClock()
-    retriever = abc_retriever(clock)
-    assert serve_one(retriever) == ("A", 0.0)  # nothing served yet: s = -rank
-    clock.now += 1000  # A is no longer recent: s_A = -0.4 log 2 = -0.277 > s_B = -1
-    chosen, score = serve_one(retriever)
+    retriever = abc_retriever(recency_window_steps=2)
+    assert serve_one(retriever, step=3) == ("A", 0.0)  # nothing served yet: s = -rank
+    # step 5: A was served at step 3, outside the 2-step window: s_A = -0.4 log 2 = -0.277 > s_B = -1
+    chosen, score = serve_one(retriever, step=5)
     assert chosen == "A" and score == pytest.approx(-0.4 * math.log(2))
-    # A served twice, just now: s_A = -0.4 log 3 - 1 = -1.4394 < s_B = -1 (and s_C = -2).
-    chosen, score = serve_one(retriever)
+    # A served twice, at this very step: s_A = -0.4 log 3 - 1 = -1.4394 < s_B = -1 (and s_C = -2).
+    chosen, score = serve_one(retriever, step=5)
     assert (chosen, score) == ("B", -1.0)
-    assert retriever.served("A") == ServeRecord(count=2, last_served=2000.0)
-    clock.now += 301  # past the window: s_A = -0.4394 > s_B = -1 - 0.4 log 2 = -1.277
-    chosen, score = serve_one(retriever)
+    assert retriever.served("A") == ServeRecord(count=2, last_step=5)
+    # step 6: A and B, both served at step 5, are within the window: s_A = -0.4 log 3 - 1 = -1.4394 beats
+    # s_B = -1 - 0.4 log 2 - 1 = -2.277 and s_C = -2.
+    chosen, score = serve_one(retriever, step=6)
+    assert (chosen, score) == ("A", pytest.approx(-0.4 * math.log(3) - 1))
+    # step 8: nothing recent (A last at 6, B at 5): s_A = -0.4 log 4 = -0.5545 > s_B = -1.277
+    chosen, score = serve_one(retriever, step=8)
     assert chosen == "A"
-    assert score == pytest.approx(-0.4 * math.log(3))
-    assert score == pytest.approx(-0.43944492, abs=1e-8)
+    assert score == pytest.approx(-0.4 * math.log(4))
+    assert score == pytest.approx(-0.55451774, abs=1e-8)
 
 
 def test_identical_queries_in_one_batch_see_each_others_serves() -> None:
-    retriever = abc_retriever(FakeClock())
+    retriever = abc_retriever()
     found = retriever.retrieve_many([("q", "room")] * 4)
     # slot 1: A (0); slot 2: A = -0.4 log 2 - 1 = -1.277 < B = -1 -> B; slot 3: A -1.277 > C -2 > B -2.277 -> A;
     # slot 4: A = -0.4 log 3 - 1 = -1.439 > C = -2 -> A.
@@ -182,14 +179,32 @@ def test_identical_queries_in_one_batch_see_each_others_serves() -> None:
     assert len(retriever.bank.searches) == 1 and retriever.bank.searches[0] == 1  # one row for the four
 
 
+def test_the_similarity_margin_keeps_clearly_worse_matches_out() -> None:
+    # similarities to q: A 1/sqrt(1.01) = 0.99504, B 1/sqrt(1.25) = 0.89443, C 1/sqrt(3.25) = 0.55470
+    within = abc_retriever(similarity_margin=0.05)  # only A is within 0.05 of the best: it guides every slot
+    assert [r.experiences[0].experience_id for r in within.retrieve_many([("q", "room")] * 4)] == ["A"] * 4
+    wider = abc_retriever(similarity_margin=0.11)  # A and B (0.1006 below): the serves alternate, C never comes
+    assert [r.experiences[0].experience_id for r in wider.retrieve_many([("q", "room")] * 4)] == ["A", "B", "A", "A"]
+    # next step, nothing recent: A (count 3) -0.4 log 4 = -0.55 > B -1.28; then A -1.64 < B -1.28; then B -2.44 < A
+    assert [r.experiences[0].experience_id for r in wider.retrieve_many([Query("q", "room", 1)] * 4)] == [
+        "A", "B", "A", "A"]
+    assert wider.served("C").count == 0
+    # top_k 2 with a margin that admits A alone: the two most similar are always eligible
+    two = abc_retriever(similarity_margin=0.0, top_k=2)
+    assert [e.experience_id for e in two.retrieve_many([("q", "room")])[0].experiences] == ["A", "B"]
+
+
 def test_diversify_breaks_ties_by_similarity_rank() -> None:
     bank = bank_of([added(f"op-{name}", name, vector) for name, vector in ABC.items()])
     candidates = bank.search_candidates(np.array([[1.0, 0.0, 0.0, 0.0]]), ["room"], 3)[0][0]
-    settings = RetrievalSettings(top_k=3, oversample=1, diversity_lambda=0.0, recency_window_s=10.0)
-    served = {"A": ServeRecord(count=1, last_served=95.0)}  # A recent: s_A = -1 = s_B
-    ranked = diversify(candidates, served, now=100.0, settings=settings)
+    settings = RetrievalSettings(top_k=3, oversample=1, diversity_lambda=0.0, recency_window_steps=3,
+                                 similarity_margin=None)
+    served = {"A": ServeRecord(count=1, last_step=8)}  # A recent at step 10: s_A = -1 = s_B
+    ranked = diversify(candidates, served, step=10, settings=settings)
     assert [(e.experience_id, e.similarity_rank, e.diversified_score) for e in ranked] == [
         ("A", 0, -1.0), ("B", 1, -1.0), ("C", 2, -2.0)]
+    later = diversify(candidates, served, step=11, settings=settings)  # 3 steps on: no longer recent
+    assert [(e.experience_id, e.diversified_score) for e in later] == [("A", 0.0), ("B", -1.0), ("C", -2.0)]
 
 
 # ------------------------------------------------------------------------------------------ batching and caching
@@ -344,9 +359,12 @@ def test_refs_carry_the_version_and_generation_that_wrote_the_served_text() -> N
 
 def test_settings_reject_bad_values_and_stay_frozen() -> None:
     for bad in ({"top_k": 0}, {"max_batch": 0}, {"oversample": 0}, {"max_wait_s": -1.0},
-                {"diversity_lambda": -0.1}, {"recency_window_s": -1.0}, {"cache_size": -1}, {"topk": 1}):
+                {"diversity_lambda": -0.1}, {"recency_window_steps": -1}, {"similarity_margin": -0.1},
+                {"cache_size": -1}, {"topk": 1}):
         with pytest.raises(ValidationError):
             RetrievalSettings(**bad)
+    with pytest.raises(ValidationError, match=r"recency_window_s was replaced by retrieval\.recency_window_steps"):
+        RetrievalSettings(recency_window_s=300)
     with pytest.raises(ValidationError):
         RetrievalSettings().top_k = 2  # type: ignore[misc]
 
