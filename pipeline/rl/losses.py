@@ -1,4 +1,4 @@
-"""Policy-gradient losses over response tokens: GRPO's clipped ratio and CISPO, with two aggregations.
+"""Policy-gradient losses over response tokens: GRPO's clipped ratio and CISPO, with three aggregations.
 
 Each variant is an explicit branch citing where it comes from; an unknown name raises `ValueError` listing the valid
 ones. Tokens are laid out as a padded batch: `mask` is 1 on response tokens that carry loss and 0 on padding (prompt,
@@ -8,12 +8,16 @@ The ratio is always taken against the **recorded sampling log-probs** (`behaviou
 older policy is corrected for its lag, for both trainers (docs/design.md: the reference code recomputes them before the
 step, which makes its ratio ~1).
 
-Micro-batching: pass the whole batch's `total_tokens` / `total_sequences` and the micro-batch losses sum exactly to
-the full-batch loss, so gradient accumulation does not change the objective.
+Aggregation is a weight per sample, the same for each of its tokens (`token_weights`): the batch loss is
+`sum_i w_i * sum_t loss_it`. A *sequence* is what should weigh as one unit: an actor episode (all its turns; each turn
+is a sample), an extractor generation. Computed over the whole batch and passed to every micro-batch, the micro-batch
+losses sum exactly to the full-batch loss, so gradient accumulation does not change the objective.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +25,7 @@ import torch
 from pipeline.rl.advantages import check_choice
 
 LOSS_VARIANTS = ("grpo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -81,30 +85,43 @@ def cispo_token_loss(
     return loss, low, high
 
 
-def aggregate(
-    token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    aggregation: str,
-    total_tokens: int | None = None,
-    total_sequences: int | None = None,
-) -> torch.Tensor:
-    """Reduce per-token losses to a scalar.
+def token_weights(aggregation: str, lengths: Sequence[int], sequences: Sequence[int] | None = None,
+                  norm_tokens: int | None = None) -> list[float]:
+    """The per-token weight of each sample in the batch loss `sum_i w_i * sum_t loss_it`.
 
-    token_loss # (B, T)
-    mask       # (B, T) 1 on tokens that carry loss
-    - `token-mean`: sum over every token / total tokens (long sequences weigh more; DAPO's choice);
-    - `seq-mean-token-mean`: mean over each sequence's tokens, then mean over sequences (GRPO paper's choice).
-    `total_tokens` / `total_sequences` default to this batch's own counts; a sequence without tokens counts in neither.
+    lengths   # response tokens of each sample
+    sequences # the sequence (episode) each sample belongs to; None: each sample is its own
+    - `token-mean`: 1 / (tokens in the batch): every token weighs the same, so a long episode weighs more (DAPO);
+    - `seq-mean-token-mean`: 1 / (tokens of its sequence * sequences): the mean over each sequence's tokens, then the
+      mean over sequences, so every episode weighs the same (the GRPO paper's choice);
+    - `seq-mean-token-sum-norm`: 1 / (norm_tokens * sequences): each sequence's token sum over a constant, then the
+      mean over sequences; no length enters the weight, so neither long nor short answers are favoured (Dr. GRPO's
+      length-unbiased loss; `norm_tokens` is its constant, the generation budget there).
+    Sequences without tokens count in no denominator.
     """
     check_choice("aggregation", aggregation, AGGREGATIONS)
-    mask = mask.to(token_loss.dtype)
+    sequence_of = list(range(len(lengths))) if sequences is None else list(sequences)
+    if len(sequence_of) != len(lengths):
+        raise ValueError(f"{len(sequence_of)} sequence ids for {len(lengths)} samples")
     if aggregation == "token-mean":
-        denominator = total_tokens if total_tokens is not None else int(mask.sum().item())
-        return (token_loss * mask).sum() / max(denominator, 1)
-    lengths = mask.sum(dim=1)  # (B,)
-    per_sequence = (token_loss * mask).sum(dim=1) / lengths.clamp(min=1)  # (B,)
-    denominator = total_sequences if total_sequences is not None else int((lengths > 0).sum().item())
-    return per_sequence.sum() / max(denominator, 1)
+        return [1.0 / max(sum(lengths), 1)] * len(lengths)
+    tokens_of: Counter[int] = Counter()
+    for sequence, length in zip(sequence_of, lengths, strict=True):
+        tokens_of[sequence] += length
+    count = sum(1 for tokens in tokens_of.values() if tokens > 0)
+    if aggregation == "seq-mean-token-mean":
+        return [1.0 / (max(tokens_of[sequence], 1) * max(count, 1)) for sequence in sequence_of]
+    if norm_tokens is None or norm_tokens <= 0:
+        raise ValueError("seq-mean-token-sum-norm needs a positive norm_tokens (the constant each sum is divided by)")
+    return [1.0 / (norm_tokens * max(count, 1))] * len(lengths)
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`sum_i weights_i * sum_t mask_it * token_loss_it`.
+
+    token_loss, mask # (B, T); weights # (B,) from `token_weights`
+    """
+    return (token_loss * mask.to(token_loss.dtype) * weights.to(token_loss.dtype).unsqueeze(1)).sum()
 
 
 def policy_loss(
@@ -117,14 +134,19 @@ def policy_loss(
     eps_low: float,
     eps_high: float,
     aggregation: str,
-    total_tokens: int | None = None,
-    total_sequences: int | None = None,
+    weights: torch.Tensor | None = None,
+    norm_tokens: int | None = None,
 ) -> LossOutput:
     """The loss `variant` ('grpo' for the actor, 'cispo' for the extractor) aggregated as `aggregation`.
 
     logp, behaviour_logp, mask # (B, T); advantages # (B,)
+    weights # (B,) the batch's `token_weights` for these rows; None: computed here, each row its own sequence
     """
     check_choice("loss variant", variant, LOSS_VARIANTS)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    if weights is None:
+        lengths = [int(n) for n in mask.bool().sum(dim=1).tolist()]
+        weights = torch.tensor(token_weights(aggregation, lengths, norm_tokens=norm_tokens), dtype=torch.float32)
     if variant == "grpo":
         token_loss, low, high = grpo_token_loss(logp, behaviour_logp, advantages, eps_low, eps_high)
     else:
@@ -133,7 +155,7 @@ def policy_loss(
     # Callers pad log-probs with finite values (0): a -inf there would turn the zero gradient of padding into NaN.
     token_loss = torch.where(on, token_loss, torch.zeros_like(token_loss))
     return LossOutput(
-        loss=aggregate(token_loss, mask, aggregation, total_tokens, total_sequences),
+        loss=aggregate(token_loss, mask, weights),
         variant=variant,
         aggregation=aggregation,
         tokens=int(on.sum().item()),

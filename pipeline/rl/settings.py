@@ -23,8 +23,16 @@ class TrainerSettings(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
     eps_low: float = Field(default=0.2, ge=0, lt=1, description="Lower clip of the ratio: 1 - eps_low.")
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip of the ratio: 1 + eps_high.")
-    aggregation: Literal["token-mean", "seq-mean-token-mean"] = Field(
-        default="token-mean", description="How token losses reduce to the batch loss (changes results; logged).")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        default="token-mean",
+        description="How token losses reduce to the batch loss, recorded in every train step: token-mean (every "
+        "token weighs the same, so long episodes weigh more), seq-mean-token-mean (every episode weighs the same), "
+        "seq-mean-token-sum-norm (each episode's token sum over `norm_tokens`: no length in the weight). See "
+        "docs/training.md#loss-aggregation.")
+    norm_tokens: int = Field(
+        default=256, gt=0,
+        description="The constant of seq-mean-token-sum-norm (Dr. GRPO uses the generation budget); keep it fixed "
+        "for a run. Other aggregations ignore it.")
     micro_batch_size: int = Field(default=8, gt=0, description="Samples per forward/backward pass.")
     threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
 

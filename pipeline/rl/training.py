@@ -140,7 +140,7 @@ class TrainerStep:
         return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
                            aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
                            temperature=self.temperature, micro_batch_size=s.micro_batch_size,
-                           max_grad_norm=s.max_grad_norm)
+                           max_grad_norm=s.max_grad_norm, norm_tokens=s.norm_tokens)
 
 
 @dataclass(eq=False)
@@ -296,11 +296,13 @@ def extractor_samples(generations: Iterable[ExtractionGenerated], advantages: Se
 
 
 def actor_samples(trajectories: Iterable[TrajectoryCompleted], advantages: Sequence[float]) -> list[Sample]:
-    """One sample per turn, each turn carrying its trajectory's advantage (tokens of the prompt, observations and
-    injected experience are the prompt: they carry no loss)."""
+    """One sample per turn, each turn carrying its trajectory's advantage and its trajectory's index as the sequence
+    it weighs as part of (tokens of the prompt, observations and injected experience are the prompt: they carry no
+    loss)."""
     return [
-        Sample(tuple(turn.prompt_token_ids), tuple(turn.response_token_ids), tuple(turn.sampling_logprobs), advantage)
-        for trajectory, advantage in zip(trajectories, advantages, strict=True)
+        Sample(tuple(turn.prompt_token_ids), tuple(turn.response_token_ids), tuple(turn.sampling_logprobs), advantage,
+               sequence=index)
+        for index, (trajectory, advantage) in enumerate(zip(trajectories, advantages, strict=True))
         for turn in trajectory.turns
     ]
 

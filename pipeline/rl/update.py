@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.models.base import PolicyModel
-from pipeline.rl.losses import policy_loss
+from pipeline.rl.losses import policy_loss, token_weights
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Sample:
     behaviour_logprobs: tuple[float, ...]
     """Sampling log-probs recorded with the response; the importance ratio is taken against them."""
     advantage: float
+    sequence: int | None = None
+    """What the sample weighs as part of under a per-sequence aggregation: its episode's index in the batch for an
+    actor turn; None: the sample alone (an extractor generation)."""
 
 
 @dataclass(frozen=True)
@@ -83,16 +86,23 @@ def policy_step(
     temperature: float,
     micro_batch_size: int,
     max_grad_norm: float,
+    norm_tokens: int | None = None,
 ) -> StepResult:
-    """Accumulate the loss of `samples` over micro-batches, clip the gradient norm, take one optimiser step."""
+    """Accumulate the loss of `samples` over micro-batches, clip the gradient norm, take one optimiser step.
+
+    The aggregation's weights are taken over every sample with tokens, those with a zero advantage included (they
+    carry no gradient and are not run through the model)."""
     samples = [s for s in samples if s.response_ids]
     total_tokens = sum(len(s.response_ids) for s in samples)
-    trained = [s for s in samples if s.advantage != 0.0]
+    sequences = [s.sequence if s.sequence is not None else -1 - i for i, s in enumerate(samples)]
+    weight_of = token_weights(aggregation, [len(s.response_ids) for s in samples], sequences, norm_tokens)
+    trained = [(s, w) for s, w in zip(samples, weight_of, strict=True) if s.advantage != 0.0]
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, clipped_low, clipped_high = 0.0, 0, 0
     for start in range(0, len(trained), micro_batch_size):
-        chunk = trained[start : start + micro_batch_size]
+        chunk = [s for s, _weight in trained[start : start + micro_batch_size]]
+        weights = torch.tensor([w for _s, w in trained[start : start + micro_batch_size]], dtype=torch.float32)
         logps = policy.token_logprobs([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], temperature)
         width = max(len(s.response_ids) for s in chunk)
         logp = torch.zeros(len(chunk), width)  # (b, T), padding 0 keeps gradients finite
@@ -103,8 +113,7 @@ def policy_step(
         out = policy_loss(
             variant, logp, _padded([s.behaviour_logprobs for s in chunk], width),
             torch.tensor([s.advantage for s in chunk], dtype=torch.float32), mask,
-            eps_low=eps_low, eps_high=eps_high, aggregation=aggregation,
-            total_tokens=total_tokens, total_sequences=len(samples),
+            eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, weights=weights,
         )
         out.loss.backward()
         loss_sum += out.loss.item()
@@ -118,5 +127,6 @@ def policy_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return StepResult(loss=loss_sum, tokens=total_tokens, trained_tokens=sum(len(s.response_ids) for s in trained),
-                      sequences=len(samples), clipped_low=clipped_low, clipped_high=clipped_high, grad_norm=grad_norm)
+    trained_tokens = sum(len(s.response_ids) for s, _weight in trained)
+    return StepResult(loss=loss_sum, tokens=total_tokens, trained_tokens=trained_tokens, sequences=len(set(sequences)),
+                      clipped_low=clipped_low, clipped_high=clipped_high, grad_norm=grad_norm)

@@ -13,7 +13,7 @@ from pipeline.rl.advantages import (
     subgroup_advantages,
     training_count_weights,
 )
-from pipeline.rl.losses import aggregate, policy_loss
+from pipeline.rl.losses import aggregate, policy_loss, token_weights
 
 SQRT_HALF = math.sqrt(0.5)
 
@@ -115,9 +115,38 @@ def test_grpo_asymmetric_bounds():
 def test_aggregations_by_hand_with_a_mask():
     token_loss = torch.tensor([[-1.2, -0.5], [0.8, 99.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    # token-mean: (-1.2 - 0.5 + 0.8) / 3 = -0.3; seq-mean-token-mean: ((-1.7 / 2) + 0.8 / 1) / 2 = -0.025
-    assert aggregate(token_loss, mask, "token-mean").item() == pytest.approx(-0.3)
-    assert aggregate(token_loss, mask, "seq-mean-token-mean").item() == pytest.approx(-0.025)
+    # token-mean: (-1.2 - 0.5 + 0.8) / 3 = -0.3; seq-mean-token-mean: ((-1.7 / 2) + 0.8 / 1) / 2 = -0.025;
+    # seq-mean-token-sum-norm over 4 tokens: (-1.7 / 4 + 0.8 / 4) / 2 = -0.1125
+    def loss(aggregation: str, norm_tokens: int | None = None) -> float:
+        weights = torch.tensor(token_weights(aggregation, [2, 1], norm_tokens=norm_tokens))
+        return aggregate(token_loss, mask, weights).item()
+
+    assert loss("token-mean") == pytest.approx(-0.3)
+    assert loss("seq-mean-token-mean") == pytest.approx(-0.025)
+    assert loss("seq-mean-token-sum-norm", norm_tokens=4) == pytest.approx(-0.1125)
+    args = (torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2), mask)
+    with pytest.raises(ValueError, match="positive norm_tokens"):
+        policy_loss("grpo", *args, eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-sum-norm")
+
+
+def test_per_episode_weights_by_hand():
+    # Two episodes: a 4-turn failure of 3 tokens a turn (12 tokens, samples 0-3) and a 1-turn success of 3 tokens
+    # (sample 4). token-mean gives each of the 15 tokens 1/15, so the failure weighs 12/15 = 4x the success;
+    # seq-mean-token-mean gives each episode 1/2: 1/(12*2) per failure token, 1/(3*2) per success token;
+    # seq-mean-token-sum-norm with 12: 1/(12*2) per token, so each episode weighs its own length: 12 : 3.
+    lengths, sequences = [3, 3, 3, 3, 3], [0, 0, 0, 0, 1]
+    assert token_weights("token-mean", lengths, sequences) == [1 / 15] * 5
+    assert token_weights("seq-mean-token-mean", lengths, sequences) == [1 / 24] * 4 + [1 / 6]
+    assert token_weights("seq-mean-token-sum-norm", lengths, sequences, norm_tokens=12) == [1 / 24] * 5
+    # an episode that weighs one unit under seq-mean-token-mean: its tokens' weights sum to 1 / episodes
+    weights = token_weights("seq-mean-token-mean", [2, 5, 1, 4], [7, 7, 3, 9])
+    assert [sum(w * n for w, n, s in zip(weights, [2, 5, 1, 4], [7, 7, 3, 9], strict=True) if s == e)
+            for e in (7, 3, 9)] == pytest.approx([1 / 3] * 3)
+    # a sequence without tokens counts in no denominator; each sample alone when no sequences are given
+    assert token_weights("seq-mean-token-mean", [2, 0, 4]) == [1 / 4, 1 / 2, 1 / 8]
+    assert token_weights("seq-mean-token-sum-norm", [2, 0, 4], norm_tokens=10) == [1 / 20] * 3
+    with pytest.raises(ValueError, match="2 sequence ids for 3 samples"):
+        token_weights("token-mean", [1, 2, 3], [0, 1])
 
 
 def test_micro_batches_with_batch_totals_sum_to_the_full_loss():
@@ -126,13 +155,21 @@ def test_micro_batches_with_batch_totals_sum_to_the_full_loss():
     behaviour = logp + torch.randn(4, 5) * 0.3
     advantages = torch.tensor([1.0, -0.5, 0.25, 2.0])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    sequences = [0, 1, 1, 2]  # rows 1 and 2 are turns of one episode, split across the two micro-batches
     for variant in ("grpo", "cispo"):
-        for aggregation in ("token-mean", "seq-mean-token-mean"):
+        for aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            weights = torch.tensor(token_weights(aggregation, [3, 5, 1, 2], sequences, norm_tokens=8))
             kwargs = dict(eps_low=0.2, eps_high=0.2, aggregation=aggregation)
-            full = policy_loss(variant, logp, behaviour, advantages, mask, **kwargs).loss
+            full = policy_loss(variant, logp, behaviour, advantages, mask, weights=weights, **kwargs).loss
             parts = sum(policy_loss(variant, logp[i:i + 2], behaviour[i:i + 2], advantages[i:i + 2], mask[i:i + 2],
-                                    total_tokens=11, total_sequences=4, **kwargs).loss for i in (0, 2))
+                                    weights=weights[i:i + 2], **kwargs).loss for i in (0, 2))
             assert parts.item() == pytest.approx(full.item(), abs=1e-6), (variant, aggregation)
+    # rows as their own sequences by default: seq-mean-token-mean is the mean of the row means
+    token = policy_loss("grpo", logp, behaviour, advantages, mask, eps_low=0.2, eps_high=0.2,
+                        aggregation="seq-mean-token-mean")
+    rows = [policy_loss("grpo", logp[i:i + 1], behaviour[i:i + 1], advantages[i:i + 1], mask[i:i + 1],
+                        eps_low=0.2, eps_high=0.2, aggregation="token-mean").loss for i in range(4)]
+    assert token.loss.item() == pytest.approx(sum(r.item() for r in rows) / 4, abs=1e-6)
 
 
 def test_cispo_by_hand():
@@ -164,5 +201,5 @@ def test_unknown_loss_variant_and_aggregation_list_the_valid_ones():
     args = (torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1))
     with pytest.raises(ValueError, match=r"unknown loss variant 'ppo'; valid values: grpo, cispo"):
         policy_loss("ppo", *args, eps_low=0.2, eps_high=0.2, aggregation="token-mean")
-    with pytest.raises(ValueError, match=r"valid values: token-mean, seq-mean-token-mean"):
+    with pytest.raises(ValueError, match=r"valid values: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
         policy_loss("grpo", *args, eps_low=0.2, eps_high=0.2, aggregation="sum")
