@@ -59,7 +59,9 @@ def example_events(run_id: str = "example-run") -> list[Event]:
                      response_token_ids=(44,), sampling_logprobs=(-0.01,), response_text="south", action="south",
                      valid=True, reward=1.0),
             ),
-            reward=1.0, success=True, num_actions=2, invalid_actions=0, truncated=False, retrieved=(served,),
+            reward=1.0, success=True, num_actions=2, invalid_actions=0, truncated=False,
+            final_observation="You descend the staircase.", revealed=("staircase down: 1 south, 1 east of the start",),
+            retrieved=(served,),
             bank_offset=12, policy_version=1, timings=Timings(generation_s=0.21, env_s=0.003, retrieval_s=0.012),
         ),
         ExtractionGenerated(

@@ -54,10 +54,11 @@ class Timings(BaseModel):
 
 
 class TrajectoryCompleted(Event):
-    """A finished episode with everything training and credit assignment need."""
+    """A finished episode with everything training and credit assignment need, and what the episode revealed for the
+    extractor (v2: `final_observation`, `revealed`; a v1 event is upcast with both unknown)."""
 
     kind: Literal["TrajectoryCompleted"] = "TrajectoryCompleted"
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     trajectory_id: Id
     assignment_event_id: Id = Field(description="event_id of the EpisodeAssigned this episode played.")
     step: NonNegativeInt
@@ -75,6 +76,12 @@ class TrajectoryCompleted(Event):
     num_actions: NonNegativeInt = Field(description="Actions taken (efficiency metric).")
     invalid_actions: NonNegativeInt = Field(description="Actions the environment rejected.")
     truncated: bool = Field(description="True when the episode hit its turn or step limit.")
+    final_observation: str | None = Field(
+        default=None, description="The environment's text after the last action: how the episode ended. None: not "
+        "recorded (events of schema version 1).")
+    revealed: tuple[str, ...] = Field(
+        default=(), description="Facts the episode uncovered, as the environment states them (for example where "
+        "the goal turned out to be, relative to the start); the extractor's digest carries them.")
     retrieved: tuple[ExperienceRef, ...] = Field(default=(), description="Experiences served at episode start.")
     bank_offset: NonNegativeInt | None = Field(
         default=None, description="Next experience-op offset the replica had applied when it served `retrieved`."

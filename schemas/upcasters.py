@@ -72,3 +72,15 @@ def _dead_letter_v1_to_v2(payload: Payload) -> Payload:
     payload["raw_size"] = len(raw)
     payload["raw_sha256"] = hashlib.sha256(raw).hexdigest()
     return payload
+
+
+@upcaster("TrajectoryCompleted", from_version=1)
+def _trajectory_v1_to_v2(payload: Payload) -> Payload:
+    """v1 recorded neither the observation an episode ended on nor what it revealed: v2 states both as unknown
+    (`final_observation` null, `revealed` empty), never guessed from the turns."""
+    for field in ("final_observation", "revealed"):
+        if field in payload:
+            raise UpcastError(f"TrajectoryCompleted: a schema_version 1 payload cannot carry {field} (added in v2)")
+    payload["final_observation"] = None
+    payload["revealed"] = []
+    return payload

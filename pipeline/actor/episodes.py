@@ -224,6 +224,7 @@ class EpisodePlayer:
 
     def _trajectory(self, episode: Episode) -> TrajectoryCompleted:
         a = episode.assignment
+        revealed = episode.env.revealed()
         self.envs.put(a, episode.env)
         return TrajectoryCompleted(
             run_id=self.run_id, producer=self.producer, trajectory_id=f"{a.group_id}-k{a.slot}",
@@ -231,6 +232,7 @@ class EpisodePlayer:
             task_family=a.task_family, seed=a.seed, group_id=a.group_id, slot=a.slot, guided=a.guided,
             goal=episode.goal, turns=tuple(episode.turns), reward=episode.outcome_reward, success=episode.success,
             num_actions=episode.actions, invalid_actions=episode.invalid, truncated=episode.truncated,
+            final_observation=episode.observation, revealed=revealed,
             retrieved=tuple(episode.retrieved) if a.guided else (),
             bank_offset=episode.bank_offset if a.guided else None, policy_version=self.version,
             timings=Timings(generation_s=episode.generation_s, env_s=episode.env_s,

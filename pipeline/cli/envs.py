@@ -1,4 +1,4 @@
-"""`crl envs list | show`: the environment registry."""
+"""`crl envs list | show | random-play`: the environment registry."""
 
 from __future__ import annotations
 
@@ -50,3 +50,27 @@ def envs_show(
                 break
     finally:
         env.close()
+
+
+@envs_app.command("random-play")
+def envs_random_play(
+    episodes: Annotated[int, typer.Option(min=1, help="Episodes per environment (tasks of its eval pool).")] = 200,
+    max_turns: Annotated[int | None, typer.Option(
+        min=1, help="Turn limit; default: each task's limit in the config (or the env's own).")] = None,
+) -> None:
+    """How often uniformly random actions solve each task of the config's mixture at its turn limit, on an eval
+    pool of `--episodes` tasks (Wilson 95% interval): the floor a policy's success must clear to show skill."""
+    from pipeline.envs.random_play import random_play
+    from pipeline.envs.registry import env_spec, task_pool
+
+    settings = current_settings().envs
+    table = Table("env id", "task family", "max turns", "episodes", "random success", "95% interval", "turns/ep")
+    for task in settings.tasks:
+        spec = env_spec(task.env_id)
+        turns = max_turns or task.max_turns or spec.max_turns
+        found = random_play(task.env_id, settings, max_turns=turns,
+                            seeds=task_pool(task.env_id, "eval", episodes, settings.seed), rng_seed=settings.seed)
+        low, high = found.interval()
+        table.add_row(task.env_id, spec.task_family, str(turns), str(found.episodes), f"{found.rate:.3f}",
+                      f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}")
+    console.print(table)

@@ -135,6 +135,12 @@ class TextEnv(ABC):
         cloning warm start plays with it)."""
         return None
 
+    def revealed(self) -> tuple[str, ...]:
+        """Facts the episode so far has uncovered that its first observation did not state plainly, in words the
+        extractor can turn into a lesson (for example where the goal lies relative to the start). Recorded in the
+        trajectory when the episode ends; () where the environment states none."""
+        return ()
+
     # -- the protocol -----------------------------------------------------------------------------------------------
 
     def reset(self, seed: int) -> tuple[str, str]:

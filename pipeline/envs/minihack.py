@@ -97,6 +97,10 @@ class MiniHackEnv(TextEnv):
             ACTION_WORDS[action.name] for action in self._env.unwrapped.actions)  # type: ignore[attr-defined]
         self._index = {word: i for i, word in enumerate(self._actions)}
         self._last: dict[str, np.ndarray] = {}
+        self._start: tuple[int, int] = (0, 0)
+        """(x, y) of the agent when the episode began."""
+        self._seen: dict[str, tuple[int, int]] = {}
+        """Landmark name -> (x, y) where the agent first saw it this episode."""
 
     def available_actions(self) -> tuple[str, ...]:
         return self._actions
@@ -105,10 +109,14 @@ class MiniHackEnv(TextEnv):
         core, disp = nle_seeds(seed)
         self._env.unwrapped.seed(core, disp, reseed=False)  # type: ignore[attr-defined]  # NLE's, as above
         self._last, _ = self._env.reset()
+        self._start = (int(self._last["blstats"][0]), int(self._last["blstats"][1]))
+        self._seen = {}
+        self._note_landmarks()
         return GOALS[self.kind], self._describe(self._last)
 
     def _act(self, action: str) -> ActResult:
         self._last, _reward, terminated, truncated, info = self._env.step(self._index[action])
+        self._note_landmarks()
         end_status = int(info.get("end_status", 0))
         solved = bool(terminated) and end_status == NLE_TASK_SUCCESSFUL
         ended = bool(terminated or truncated)
@@ -132,6 +140,27 @@ class MiniHackEnv(TextEnv):
         vertical = "south" if dy > 0 else "north" if dy < 0 else ""
         horizontal = "east" if dx > 0 else "west" if dx < 0 else ""
         return (vertical + horizontal) or None
+
+    def revealed(self) -> tuple[str, ...]:
+        """Where each landmark the agent saw lies relative to where it started ("staircase down: 2 south, 3 east
+        of the start"): in a dark room, what only exploring shows."""
+        start_x, start_y = self._start
+        return tuple(f"{name}: {_relative(y - start_y, x - start_x)} of the start"
+                     for name, (x, y) in sorted(self._seen.items(), key=lambda item: _LANDMARKS.index(item[0])))
+
+    def _note_landmarks(self) -> None:
+        """Remember where each landmark was first seen (its nearest instance to the start, for several)."""
+        chars, descriptions = self._last["chars"], self._last["screen_descriptions"]
+        start_x, start_y = self._start
+        for symbol in (">", "(", "+"):
+            for y, x in np.argwhere(chars == ord(symbol)):
+                name = _short(bytes(descriptions[y, x]).rstrip(b"\0").decode("latin-1"))
+                if name not in _LANDMARKS:
+                    continue
+                known = self._seen.get(name)
+                distance = abs(int(x) - start_x) + abs(int(y) - start_y)
+                if known is None or distance < abs(known[0] - start_x) + abs(known[1] - start_y):
+                    self._seen[name] = (int(x), int(y))
 
     def close(self) -> None:
         self._env.close()

@@ -4,13 +4,15 @@ what it publishes (`pipeline.extractor.ops` turns parsed answers into those even
 exactly the format the worker parses.
 
 Distillation. The prompt holds the goal, the trajectory (its first observation, the actions with invalid ones marked,
-never the experience that was injected), the outcome, and the experiences that were shown by alias:
+never the experience that was injected), the outcome, what the episode revealed (where the environment states it: a
+landmark's place relative to the start), and the experiences that were shown by alias:
 
     Task: MiniHack-Room-Random-5x5-v0. Goal: reach the staircase down (>)
     Start:
     <first observation>
     Actions: east, southeast, (invalid), south
     Outcome: SUCCESS after 4 actions (1 invalid)
+    Revealed: staircase down: 1 north, 2 west of the start
     Experiences shown:
     [1] Walk toward the > ...
     Lessons as ops, at most 3, in <answer>[...]</answer>:
@@ -61,6 +63,8 @@ class TrajectoryDigest:
     """Actions in order; an invalid one is recorded as `(invalid)`."""
     success: bool
     truncated: bool
+    revealed: tuple[str, ...] = ()
+    """What the episode uncovered, as the environment states it (`TrajectoryCompleted.revealed`)."""
 
     @property
     def invalid(self) -> int:
@@ -72,7 +76,7 @@ class TrajectoryDigest:
             env_id=trajectory.env_id, task_family=trajectory.task_family, goal=trajectory.goal,
             first_observation=trajectory.turns[0].observation if trajectory.turns else "",
             actions=tuple(turn.action if turn.valid else INVALID for turn in trajectory.turns),
-            success=trajectory.success, truncated=trajectory.truncated,
+            success=trajectory.success, truncated=trajectory.truncated, revealed=trajectory.revealed,
         )
 
 
@@ -93,6 +97,8 @@ def distill_prompt(digest: TrajectoryDigest, shown: Sequence[str], *, max_ops: i
         f"Outcome: {outcome} after {len(digest.actions)} actions ({digest.invalid} invalid)"
         + (", turn limit reached" if digest.truncated else ""),
     ]
+    if digest.revealed:
+        lines.append("Revealed: " + "; ".join(digest.revealed))
     if shown:
         lines.append("Experiences shown:")
         lines += [f"[{alias}] {text}" for alias, text in enumerate(shown, start=1)]

@@ -8,14 +8,20 @@ configs start from pretrained models instead):
 - **actor: behaviour cloning** from scripted solvers (`TextEnv.expert_action`: MiniHack Room heads for the stairs,
   Sokoban follows its BFS solution). Data episodes are played partly by the solver and partly at random, so the
   states are varied; every turn's label is the solver's action at that state, and the prompt is the rollout
-  worker's own (`render_actor_prompt`), half of them with an experience line as guided episodes have;
-- **extractor: rule-based summaries.** The same data episodes are written up by `summarise` (outcome, length, first
-  and most repeated action) in exactly the answer format the worker parses — `add` when nothing was shown, `refine`
+  worker's own (`render_actor_prompt`). Half of the prompts carry an experience line as guided episodes do: half of
+  those the lesson of an episode of the same task (informative: it states what that task revealed, which the label
+  agrees with), the other half a lesson of another task (irrelevant), so the actor learns to use an experience when
+  it says something and to ignore it when it does not;
+- **extractor: rule-based summaries.** The same data episodes are written up by `summarise` (outcome, length, and
+  what the episode revealed, such as where the goal lies relative to the start; the first and most repeated action
+  where it revealed nothing) in exactly the answer format the worker parses — `add` when nothing was shown, `refine`
   of alias 1 when an experience was — and chunks of those lessons by `summarise_merge` (lessons that start with the
   same word are merged).
 
 Everything is seeded, so the same settings give the same weights; the result is cached under
-`warm_start.cache_dir` keyed by a hash of all of it (settings, tasks, and this module's source), and a cache hit
+`warm_start.cache_dir` keyed by a hash of what the samples depend on (the warm-start settings, the tasks, the
+environments' own options, the initial weights and the source of the modules that form the samples; not the run's
+task seed, which the data episodes do not use), and a cache hit
 loads byte-identical weights. The trainer records the warm start's statistics in version 0's checkpoint metadata,
 and `RunStarted` carries the settings.
 """
@@ -65,15 +71,18 @@ INVALID_RESPONSE = "wait"
 
 
 def lesson(digest: TrajectoryDigest, max_chars: int) -> str:
-    """One lesson from one episode: outcome, length, the first and the most repeated action."""
+    """One lesson from one episode: outcome, length, and what it revealed (where the goal lies relative to the
+    start); where it revealed nothing, the first or the most repeated action."""
     valid = [a for a in digest.actions if a != INVALID]
-    first = valid[0] if valid else "a listed action"
+    facts = "; ".join(digest.revealed)
     if digest.success:
-        text = f"Solved in {len(digest.actions)} actions. Start with {first} and keep heading for the goal."
+        text = f"Solved in {len(digest.actions)} actions. " + (
+            f"{facts}." if facts else f"Start with {valid[0] if valid else 'a listed action'} and keep heading for "
+            "the goal.")
     else:
         repeated = Counter(valid).most_common(1)[0][0] if valid else "invalid actions"
-        text = (f"Failed after {len(digest.actions)} actions ({digest.invalid} invalid). Do not repeat {repeated};"
-                f" use listed actions and head for the goal.")
+        text = f"Failed after {len(digest.actions)} actions ({digest.invalid} invalid). " + (
+            f"{facts}." if facts else f"Do not repeat {repeated}; use listed actions and head for the goal.")
     return text[:max_chars]
 
 
@@ -154,7 +163,7 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
                     break
             digest = TrajectoryDigest(env_id=env_id, task_family=env_spec(env_id).task_family, goal=goal,
                                       first_observation=first, actions=tuple(actions), success=success,
-                                      truncated=truncated)
+                                      truncated=truncated, revealed=env.revealed())
             played.append(DataEpisode(digest, tuple(turns)))
     finally:
         for env in built.values():
@@ -198,22 +207,37 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
 
 def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int,
                   max_chars: int = 400) -> list[tuple[str, str]]:
-    """(actor prompt, " <solver action>\\n") for every labelled turn; half the prompts carry an experience line."""
+    """(actor prompt, " <solver action>\\n") for every labelled turn. A quarter of the prompts carry the lesson of
+    an episode of the same task (the same environment and goal, so it states what that task revealed), a quarter a
+    lesson of another task, the rest none."""
     from pipeline.actor.episodes import render_actor_prompt
 
     rng = random.Random(seed)
     lessons = [lesson(e.digest, max_chars) for e in episodes]
+    by_task: dict[tuple[str, str, str], list[str]] = {}
+    for episode, text in zip(episodes, lessons, strict=True):
+        by_task.setdefault(_task_of(episode.digest), []).append(text)
     samples = []
     for episode in episodes:
+        same = by_task[_task_of(episode.digest)]
+        other = [text for text, e in zip(lessons, episodes, strict=True)
+                 if _task_of(e.digest) != _task_of(episode.digest)]
         for turn in episode.turns:
             if turn.label is None:
                 continue
-            experience = rng.choice(lessons) if rng.random() < 0.5 else None
+            draw = rng.random()
+            experience = (rng.choice(same) if draw < 0.25 else rng.choice(other) if draw < 0.5 and other
+                          else None)
             prompt = render_actor_prompt(episode.digest.env_id, episode.digest.goal, turn.observation,
                                          experience=experience, history=list(turn.history),
                                          history_turns=history_turns)
             samples.append((prompt, f" {turn.label}\n"))
     return samples
+
+
+def _task_of(digest: TrajectoryDigest) -> tuple[str, str, str]:
+    """What identifies a task to the agent: environment, goal and the first observation."""
+    return digest.env_id, digest.goal, digest.first_observation
 
 
 def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettings,
@@ -291,6 +315,12 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
     return policy, stats
 
 
+def _env_options(envs: EnvSettings) -> dict[str, Any]:
+    """What of the env settings the data episodes depend on: how environments are built, not which tasks a run
+    draws (the task seed and pool sizes), so runs that differ only in their seed share one cached warm start."""
+    return envs.model_dump(mode="json", exclude={"tasks", "seed", "train_pool_size", "eval_tasks_per_env"})
+
+
 def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict[str, Any]:
     return {"steps": len(losses), "samples": samples, "episodes": len(episodes),
             "episode_success": sum(e.digest.success for e in episodes) / max(1, len(episodes)),
@@ -312,7 +342,7 @@ def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, ta
                            seed=settings.seed, system=ACTOR_SYSTEM)
         return _stats(losses, len(samples), episodes)
 
-    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),
+    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": _env_options(envs),
              "history_turns": history_turns}
     return _cached("actor", policy, settings, parts, train)
 
@@ -327,7 +357,7 @@ def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings
                            seed=settings.seed, system=EXTRACTOR_SYSTEM)
         return _stats(losses, len(samples), episodes)
 
-    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": envs.model_dump(mode="json"),
+    parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": _env_options(envs),
              "extractor": extractor.model_dump(mode="json", include={"max_ops", "max_experience_chars",
                                                                      "max_actions_shown", "merge_chunk"})}
     return _cached("extractor", policy, settings, parts, train)

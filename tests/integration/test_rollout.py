@@ -113,6 +113,9 @@ def test_scheduler_and_rollout_play_guided_and_free_groups(kafka_bootstrap, tmp_
         assert 1 <= len(trajectory.turns) <= 5 and trajectory.num_actions == len(trajectory.turns)
         assert trajectory.success == (trajectory.reward == 1.0)
         assert trajectory.invalid_actions == sum(not turn.valid for turn in trajectory.turns)
+        # what it ended on and what it revealed: a lit room shows its stairs from the first observation on
+        assert trajectory.final_observation and trajectory.final_observation.startswith(("Map:", "Invalid action"))
+        assert [fact.split(":")[0] for fact in trajectory.revealed] == ["staircase down"]
         policy = tokenizers[trajectory.policy_version]
         for turn in trajectory.turns:
             assert policy.decode(turn.response_token_ids) == turn.response_text

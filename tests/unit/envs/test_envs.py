@@ -222,3 +222,29 @@ def test_mixture_draw_follows_the_weights_and_is_a_function_of_the_step():
     extra = {entry.env_id for step in range(12) for entry, _ in draw_tasks(even, step, 4)
              if sum(e.env_id == entry.env_id for e, _ in draw_tasks(even, step, 4)) == 2}
     assert len(extra) >= 2  # the leftover group rotates between environments
+
+
+def test_minihack_reveals_landmarks_relative_to_the_start():
+    env = make_env("MiniHack-KeyRoom-S5-v0", EnvSettings(), max_turns=20)
+    _goal, observation = env.reset(3)
+    # lit: what the first observation shows relative to the agent is where it lies relative to the start
+    assert "Where: key 1 south, 3 west; locked door 2 north, 2 west" in observation
+    assert env.revealed() == ("key: 1 south, 3 west of the start", "locked door: 2 north, 2 west of the start")
+    # the agent moves: the observation's offsets change, the start-relative facts do not
+    assert "Where: key 1 south, 2 west" in env.step("west").observation
+    assert env.revealed() == ("key: 1 south, 3 west of the start", "locked door: 2 north, 2 west of the start")
+    env.close()
+
+
+def test_random_play_is_reproducible_and_its_interval_is_wilsons():
+    from pipeline.envs.random_play import RandomPlay, random_play
+
+    seeds = task_pool("MiniHack-Room-Random-5x5-v0", "eval", 12, 0)
+    first = random_play("MiniHack-Room-Random-5x5-v0", EnvSettings(), max_turns=8, seeds=seeds, rng_seed=1)
+    assert first == random_play("MiniHack-Room-Random-5x5-v0", EnvSettings(), max_turns=8, seeds=seeds, rng_seed=1)
+    assert first.episodes == 12 and 0 <= first.successes <= 12 and 1 <= first.mean_turns <= 8
+    # Wilson 95%: 0 of 10 -> (0, z^2 / (n + z^2)) = (0, 0.2775); 5 of 10 -> 0.5 -+ 0.2633 = (0.2366, 0.7634)
+    low, high = RandomPlay("x", 8, 10, 0, 8.0).interval()
+    assert low == 0.0 and high == pytest.approx(0.27753, abs=1e-4)
+    low, high = RandomPlay("x", 8, 10, 5, 8.0).interval()
+    assert (low, high) == (pytest.approx(0.23659, abs=1e-4), pytest.approx(0.76341, abs=1e-4))

@@ -49,6 +49,11 @@ def test_the_distill_prompt_lists_actions_outcome_and_the_experiences_by_alias()
         "Lessons as ops, at most 3, in <answer>[...]</answer>:"
     )
     assert "Experiences shown: none" in distill_prompt(DIGEST, [], max_ops=3, max_actions=9)
+    revealed = TrajectoryDigest(**{**DIGEST.__dict__, "revealed": ("staircase down: 2 east of the start",
+                                                                   "key: 1 north of the start")})
+    assert "Outcome: SUCCESS after 3 actions (1 invalid)\n" \
+        "Revealed: staircase down: 2 east of the start; key: 1 north of the start\nExperiences shown: none" \
+        in distill_prompt(revealed, [], max_ops=3, max_actions=9)
     assert merge_prompt("sokoban", ["a", "b"]) == (
         "Experiences of sokoban:\n[1] a\n[2] b\n"
         "Consolidate as ops (keep, merge, rewrite, discard) in <answer>[...]</answer>:")
@@ -127,6 +132,11 @@ def test_the_rule_based_summariser_writes_answers_the_parser_accepts():
     assert merged == [MergeOp("merge", (1, 3), "2 lessons agree: Solved a"),
                       MergeOp("merge", (2, 4), "2 lessons agree: Failed b")]
     assert render_answer([]) == "<answer>[]</answer>"
+    # what the episode revealed replaces the generic advice
+    found = TrajectoryDigest(**{**DIGEST.__dict__, "revealed": ("staircase down: 1 north, 2 west of the start",)})
+    assert lesson(found, 400) == "Solved in 3 actions. staircase down: 1 north, 2 west of the start."
+    lost = TrajectoryDigest(**{**failed.__dict__, "revealed": ("key: 3 south of the start",)})
+    assert lesson(lost, 400) == "Failed after 4 actions (1 invalid). key: 3 south of the start."
 
 
 def test_data_episodes_and_samples_are_deterministic_and_labelled_by_the_solver():
@@ -135,6 +145,8 @@ def test_data_episodes_and_samples_are_deterministic_and_labelled_by_the_solver(
     assert first == play_data_episodes(tasks, EnvSettings(), 6, 1.0, seed=3)
     assert all(e.digest.success for e in first), "the scripted Room solver solves every empty room"
     assert all(turn.label is not None for e in first for turn in e.turns)
+    assert all(e.digest.revealed and e.digest.revealed[0].startswith("staircase down: ") for e in first), \
+        "a lit room shows its stairs from the start"
     samples = extractor_samples(first, ExtractorSettings(), seed=3)
     assert len(samples) == 6 + 6 // 4
     for prompt, answer in samples[:6]:
@@ -148,3 +160,24 @@ def test_capacity_evicts_the_oldest_beyond_the_cap_counting_pending_adds():
     assert capacity_evictions(oldest_first, pending_adds=2, capacity=4) == ["e1", "e2"]
     assert capacity_evictions(oldest_first, pending_adds=0, capacity=1) == ["e1", "e2", "e3"]
     assert capacity_evictions([], pending_adds=5, capacity=3) == []  # what is not applied yet cannot be retired
+
+
+def test_the_actors_data_carries_informative_and_irrelevant_experiences():
+    from pipeline.rl.warm_start import actor_samples as warm_actor_samples
+
+    tasks = [TaskMix(env_id="MiniHack-Room-Random-5x5-v0", max_turns=10)]
+    episodes = play_data_episodes(tasks, EnvSettings(), 40, 1.0, seed=5)
+    samples = warm_actor_samples(episodes, history_turns=2, seed=5)
+    turns = [(e, t) for e in episodes for t in e.turns if t.label is not None]
+    assert len(samples) == len(turns)
+    kinds = {"none": 0, "its own task's": 0, "another task's": 0}
+    for (prompt, label), (episode, turn) in zip(samples, turns, strict=True):
+        assert label == f" {turn.label}\n"
+        line = next((x for x in prompt.splitlines() if x.startswith("Experience: ")), None)
+        if line is None:
+            kinds["none"] += 1
+        else:  # each room is its own task here: the informative lesson is the one its episode revealed
+            kinds["its own task's" if line == f"Experience: {lesson(episode.digest, 400)}" else "another task's"] += 1
+    total = sum(kinds.values())
+    assert 0.4 < kinds["none"] / total < 0.6, kinds
+    assert 0.15 < kinds["its own task's"] / total < 0.35 and 0.15 < kinds["another task's"] / total < 0.35, kinds

@@ -37,3 +37,17 @@ def test_two_cold_warm_starts_side_by_side_compute_once_and_agree(tmp_path):
     again, stats = _warm(tmp_path)
     assert again == first and stats["cached"]
     assert _warm(None)[0] == first, "the cache gives the weights a fresh computation gives"
+
+
+def test_the_cache_key_follows_what_the_samples_depend_on_not_the_runs_task_seed(tmp_path):
+    from pipeline.rl.warm_start import _cache_key, _env_options
+
+    policy = build_tiny(TINY)
+
+    def key(envs: EnvSettings) -> str:
+        return _cache_key("actor", policy, {"envs": _env_options(envs)})
+
+    base = key(EnvSettings())
+    assert key(EnvSettings(seed=7, train_pool_size=16, eval_tasks_per_env=200)) == base, \
+        "the data episodes draw from the warm start's own seed: a run's task seed does not change them"
+    assert key(EnvSettings(invalid_action="end")) != base, "how environments treat invalid actions does"

@@ -218,3 +218,21 @@ def test_a_v1_dead_letter_that_cannot_be_upcast_is_a_schema_version_error() -> N
 
 def test_upcasters_module_registry_is_the_one_upcast_uses() -> None:
     assert upcasters.UPCASTERS is UPCASTERS
+
+
+def test_a_v1_trajectory_decodes_to_v2_with_what_it_did_not_record_unknown() -> None:
+    """A TrajectoryCompleted as a schema-version-1 producer wrote it: the current example without the v2 fields."""
+    from schemas.examples import example_events
+    from schemas.topics import TRAJECTORIES
+
+    example = next(e for e in example_events() if e.kind == "TrajectoryCompleted")
+    current = json.loads(example.model_dump_json())
+    v1 = {key: value for key, value in current.items() if key not in ("final_observation", "revealed")}
+    v1["schema_version"] = 1
+    event = decode(TRAJECTORIES, json.dumps(v1).encode())
+    assert event.schema_version == 2
+    assert (event.final_observation, event.revealed) == (None, ())
+    assert event == example.model_copy(update={"final_observation": None, "revealed": ()})
+    assert json.loads(encode(event))["schema_version"] == 2  # written back as v2
+    with pytest.raises(SchemaVersionError, match="cannot carry final_observation"):  # a v2 field in a v1 payload
+        decode(TRAJECTORIES, json.dumps({**v1, "revealed": ["x"], "final_observation": 3}).encode())

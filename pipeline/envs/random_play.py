@@ -1,0 +1,63 @@
+"""Random play: how often an agent that picks a uniformly random available action each turn solves a task family at
+a turn limit. The floor a learnt policy must clear for its success to measure skill rather than luck.
+
+    found = random_play("MiniHack-Room-Random-5x5-v0", EnvSettings(), max_turns=20, seeds=task_pool(...))
+    found.successes, found.episodes, found.rate, found.interval()      # Wilson 95% interval
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.envs.registry import make_env
+from pipeline.envs.settings import EnvSettings
+
+
+@dataclass(frozen=True)
+class RandomPlay:
+    env_id: str
+    max_turns: int
+    episodes: int
+    successes: int
+    mean_turns: float
+    """Turns played per episode (a success ends its episode early)."""
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.episodes if self.episodes else 0.0
+
+    def interval(self, z: float = 1.959964) -> tuple[float, float]:
+        """Wilson score interval of the success rate (95% by default)."""
+        n = self.episodes
+        if n == 0:
+            return 0.0, 1.0
+        p = self.rate
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Sequence[int],
+                rng_seed: int = 0) -> RandomPlay:
+    """Play one episode per task seed, each turn a uniformly random available action (drawn from a stream seeded by
+    `rng_seed` and the task seed, so the figure is reproducible)."""
+    env = make_env(env_id, settings, max_turns=max_turns)
+    successes = turns = 0
+    try:
+        for seed in seeds:
+            rng = random.Random(f"{rng_seed}/{seed}")
+            env.reset(seed)
+            actions = env.available_actions()
+            while True:
+                outcome = env.step(rng.choice(actions))
+                turns += 1
+                actions = outcome.info.available_actions or actions
+                if outcome.done:
+                    successes += outcome.info.success
+                    break
+    finally:
+        env.close()
+    return RandomPlay(env_id, max_turns, len(seeds), successes, turns / len(seeds) if seeds else 0.0)
