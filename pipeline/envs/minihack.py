@@ -50,6 +50,10 @@ _SHORT_NAMES = {
     "corridor": "corridor",
     "wall": "wall",
 }
+_CLOCK_MESSAGES = ("Hello Agent, welcome to NetHack", "You are lucky!  Full moon tonight.",
+                   "Be careful!  New moon tonight.")
+"""Messages NetHack prints at the start from the date and time, not the task: never shown, so the same seed gives the
+same observation on any day."""
 _LANDMARKS = ("staircase down", "key", "locked door", "open door", "doorway", "boulder")
 """Things whose position relative to the agent the observation spells out (nearest first, at most 3 each)."""
 
@@ -197,7 +201,7 @@ class MiniHackEnv(TextEnv):
                     landmarks.setdefault(name, []).append((top + r - agent_y, left + c - agent_x))
         lines = ["Map:", text]
         message = bytes(observation["message"]).rstrip(b"\0").decode("latin-1").strip()
-        if message and not message.startswith("Hello Agent, welcome to NetHack"):
+        if message and not message.startswith(_CLOCK_MESSAGES):
             lines.append(f"Message: {message}")
         where = []
         for name in _LANDMARKS:

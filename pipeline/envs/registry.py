@@ -43,6 +43,12 @@ def _minihack(env_id: str, family: str, kind: str) -> Callable[[EnvSettings, int
     return build
 
 
+def _dark_corridor(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
+    from pipeline.envs.dark_corridor import DarkCorridorEnv
+
+    return DarkCorridorEnv(max_turns=max_turns, invalid_action=settings.invalid_action)
+
+
 def _sokoban(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
     from pipeline.envs.sokoban import SokobanEnv
 
@@ -85,6 +91,7 @@ _SPECS = [
             _minihack("MiniHack-KeyRoom-Dark-S5-v0", "minihack-keyroom", "keyroom"), True),
     EnvSpec("MiniHack-River-Narrow-v0", "minihack-river", 30,
             _minihack("MiniHack-River-Narrow-v0", "minihack-river", "river"), True),
+    EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True),
     EnvSpec("Sokoban-6x6-2box", "sokoban", 30, _sokoban, True),
     EnvSpec("ALFWorld", "alfworld", 40, _alfworld, False),
     EnvSpec("WebShop", "webshop", 15, _webshop, False),

@@ -248,3 +248,38 @@ def test_random_play_is_reproducible_and_its_interval_is_wilsons():
     assert low == 0.0 and high == pytest.approx(0.27753, abs=1e-4)
     low, high = RandomPlay("x", 8, 10, 5, 8.0).interval()
     assert (low, high) == (pytest.approx(0.23659, abs=1e-4), pytest.approx(0.76341, abs=1e-4))
+
+
+def test_dark_corridors_hide_the_side_until_explored_and_reveal_it_after():
+    from pipeline.envs.dark_corridor import DISTANCES, corridor_of
+
+    env = make_env("MiniHack-DarkCorridor-v0", EnvSettings())
+    try:
+        seeds = task_pool("MiniHack-DarkCorridor-v0", "train", 12, 0)
+        tasks = [corridor_of(seed) for seed in seeds]
+        assert {offset > 0 for _name, offset in tasks} == {True, False}
+        assert all(abs(offset) in DISTANCES for _name, offset in tasks)
+        assert len({name for name, _offset in tasks}) >= 10, "the name tells tasks apart"
+        firsts = set()
+        for seed, (name, offset) in zip(seeds, tasks, strict=True):
+            goal, observation = env.reset(seed)
+            assert goal == f"reach the staircase down (>) of the {name} corridor"
+            assert "moon" not in observation, "nothing that depends on the date"
+            firsts.add(observation)
+            assert env.revealed() == ()
+            moves = 0
+            while not (outcome := env.step(env.expert_action() or "")).done:  # the solver walks straight there
+                moves += 1
+            assert outcome.info.success and moves + 1 == abs(offset)
+            side = "east" if offset > 0 else "west"
+            assert env.revealed() == (f"staircase down: {abs(offset)} {side} of the start",)
+            # the same task again, the wrong way: the turn limit (9) ends it at the far wall, unsolved
+            assert env.reset(seed) == (goal, observation)
+            wrong = "west" if offset > 0 else "east"
+            while not (outcome := env.step(wrong)).done:
+                pass
+            assert outcome.info.truncated and not outcome.info.success
+            assert env.revealed() == (f"explored 8 {wrong} of the start: no staircase down",)
+        assert len(firsts) == 1, "in the dark every corridor starts alike: only memory tells the side"
+    finally:
+        env.close()

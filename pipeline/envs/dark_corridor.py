@@ -1,0 +1,139 @@
+"""A task family where memory must help: named dark corridors, a level of our own in MiniHack's level description
+language.
+
+    env = DarkCorridorEnv(max_turns=9)
+    goal, observation = env.reset(seed=5)   # "reach the staircase down (>) of the amber heron corridor"
+
+Each task is a straight corridor, 17 squares long and unlit, with the agent in the middle and the staircase down
+3 to 6 squares to the west or to the east; the task seed fixes the corridor's name, the side and the distance. In the
+dark the agent sees only the squares next to it, so the first observation is the same for every task and says nothing
+of the side: a policy without memory picks a side and, at the default turn limit, has no time to come back (it
+succeeds about half the time at best). An earlier episode of the same task reveals the side (`revealed()`: "staircase
+down: 5 west of the start", or "explored 8 east of the start: no staircase down"), and the corridor's name in the goal
+lets retrieval find that lesson again. A T-maze in the sense of the memory literature, in NetHack's engine.
+
+Why our own level: MiniHack's dark rooms (`MiniHack-Room-Dark-*`) draw a new layout on every reset, so nothing learnt
+in one episode holds in the next; its level description language lets a task seed fix the layout.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
+from pipeline.envs.minihack import ACTION_WORDS, NLE_STEP_LIMIT, NLE_TASK_SUCCESSFUL, MiniHackEnv, nle_seeds
+from pipeline.errors import EnvUnavailableError
+
+HALF_LENGTH = 8
+"""Squares on each side of the start."""
+DISTANCES = (3, 4, 5, 6)
+"""How far the staircase lies from the start."""
+ADJECTIVES = ("amber", "silent", "crooked", "hollow", "copper", "frozen", "velvet", "ashen", "gilded", "mossy",
+              "narrow", "sunken", "bitter", "pale", "rusted", "whispering")
+CREATURES = ("heron", "badger", "viper", "lynx", "raven", "otter", "moth", "stag", "toad", "falcon", "newt", "boar",
+             "wren", "jackal", "carp", "marten")
+
+
+def corridor_of(seed: int) -> tuple[str, int]:
+    """The task of `seed`: the corridor's name and the staircase's offset from the start (negative: west)."""
+    rng = random.Random(f"dark-corridor/{seed}")
+    name = f"{rng.choice(ADJECTIVES)} {rng.choice(CREATURES)}"
+    return name, rng.choice((-1, 1)) * rng.choice(DISTANCES)
+
+
+def level_description(offset: int) -> str:
+    """The level in MiniHack's description language: one unlit corridor, the start in the middle, stairs at offset."""
+    from minihack import LevelGenerator
+
+    width = 2 * HALF_LENGTH + 1
+    layout = "\n".join(["-" * (width + 2), "|" + "." * width + "|", "-" * (width + 2)])
+    level = LevelGenerator(map=layout, lit=False, flags=("noteleport", "hardfloor"))
+    level.set_start_pos((HALF_LENGTH + 1, 1))
+    level.add_goal_pos((HALF_LENGTH + 1 + offset, 1))
+    return level.get_des()
+
+
+class DarkCorridorEnv(MiniHackEnv):
+    """Named dark corridors (`MiniHack-DarkCorridor-v0`, task family `minihack-dark-corridor`)."""
+
+    def __init__(self, *, max_turns: int = 9, invalid_action: InvalidActionRule = "skip") -> None:
+        TextEnv.__init__(self, max_turns=max_turns, invalid_action=invalid_action)
+        try:
+            import minihack  # noqa: F401  (registers MiniHack-Navigation-Custom-v0)
+        except ImportError as exc:
+            raise EnvUnavailableError(
+                f"MiniHack-DarkCorridor-v0 needs minihack and nle: pip install 'nle==1.3.0' 'minihack==1.0.2' "
+                f"'setuptools<81' ({exc})") from exc
+        self.env_id = "MiniHack-DarkCorridor-v0"
+        self.task_family = "minihack-dark-corridor"
+        self.kind = "corridor"
+        self._levels: dict[int, object] = {}
+        """Offset -> its gymnasium env (eight layouts in all, each built once)."""
+        self._actions = tuple(ACTION_WORDS[name] for name in ("N", "E", "S", "W", "NE", "SE", "SW", "NW"))
+        self._index = {word: i for i, word in enumerate(self._actions)}
+        self._last: dict[str, np.ndarray] = {}
+        self._start = (0, 0)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._offset = 0
+        self._explored = {-1: 0, 1: 0}
+        """Side -> farthest square from the start the agent stood on."""
+
+    def _level(self, offset: int):  # type: ignore[no-untyped-def]  # a gymnasium env
+        if offset not in self._levels:
+            import gymnasium as gym
+
+            self._levels[offset] = gym.make(
+                "MiniHack-Navigation-Custom-v0", des_file=level_description(offset),
+                observation_keys=("chars", "message", "screen_descriptions", "blstats", "glyphs"),
+                max_episode_steps=10 * (2 * HALF_LENGTH + 1))
+        return self._levels[offset]
+
+    def _reset(self, seed: int) -> tuple[str, str]:
+        name, self._offset = corridor_of(seed)
+        self._env = self._level(self._offset)
+        core, disp = nle_seeds(seed)
+        self._env.unwrapped.seed(core, disp, reseed=False)  # type: ignore[attr-defined]  # NLE's own seed
+        self._last, _ = self._env.reset()
+        self._start = (int(self._last["blstats"][0]), int(self._last["blstats"][1]))
+        self._seen, self._explored = {}, {-1: 0, 1: 0}
+        self._note_landmarks()
+        return f"reach the staircase down (>) of the {name} corridor", self._describe(self._last)
+
+    def _act(self, action: str) -> ActResult:
+        self._last, _reward, terminated, truncated, info = self._env.step(self._index[action])
+        end_status = int(info.get("end_status", 0))
+        solved = bool(terminated) and end_status == NLE_TASK_SUCCESSFUL
+        if not solved:  # a solved episode's last observation is blank: NetHack has left the level
+            self._note_landmarks()
+            dx = int(self._last["blstats"][0]) - self._start[0]
+            if dx:
+                side = 1 if dx > 0 else -1
+                self._explored[side] = max(self._explored[side], abs(dx))
+        else:
+            self._seen["staircase down"] = (self._start[0] + self._offset, self._start[1])
+        ended = bool(terminated or truncated)
+        env_truncated = ended and not solved and (bool(truncated) or end_status == NLE_STEP_LIMIT)
+        return ActResult(self._describe(self._last) if not solved else "You reach the staircase down.",
+                         solved=solved, lost=ended and not solved, env_truncated=env_truncated)
+
+    def revealed(self) -> tuple[str, ...]:
+        """Where the staircase lies relative to the start once seen; else how far each side was explored."""
+        found = super().revealed()
+        if found:
+            return found
+        return tuple(f"explored {distance} {'east' if side > 0 else 'west'} of the start: no staircase down"
+                     for side, distance in sorted(self._explored.items(), reverse=True) if distance)
+
+    def expert_action(self) -> str | None:
+        """Straight toward the staircase: the solver knows the layout (the behaviour-cloning warm start's labels)."""
+        if not self._last:
+            return None
+        dx = self._start[0] + self._offset - int(self._last["blstats"][0])
+        return "east" if dx > 0 else "west" if dx < 0 else None
+
+    def close(self) -> None:
+        for env in self._levels.values():
+            env.close()  # type: ignore[attr-defined]
+        self._levels.clear()
