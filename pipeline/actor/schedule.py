@@ -88,18 +88,24 @@ class Schedule:
         return episodes
 
     def eval_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
-        """Evaluation slots after `step`: every task of every environment's eval pool, guided and free."""
+        """Evaluation slots after `step`: every task of every environment's eval pool (unseen in training; group ids
+        `eval-s<step>-<env>-t<i>`), then the first `eval_recurring_per_env` tasks of its train pool (tasks that come
+        back; `...-r<i>`), guided and free."""
         size = 1 if self.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
         version = self.required_version(step)
         episodes = []
         for entry in self.envs.tasks:
             spec = env_spec(entry.env_id)
-            pool = task_pool(entry.env_id, "eval", self.envs.eval_tasks_per_env, self.envs.seed)
-            for t, seed in enumerate(pool):
-                group_id = f"eval-s{step:06d}-{entry.env_id}-t{t:03d}"
+            unseen = task_pool(entry.env_id, "eval", self.envs.eval_tasks_per_env, self.envs.seed)
+            recurring = task_pool(entry.env_id, "train", self.envs.train_pool_size, self.envs.seed)[
+                : self.envs.eval_recurring_per_env]
+            tasks = [("t", "eval", t, seed) for t, seed in enumerate(unseen)]
+            tasks += [("r", "eval-recurring", t, seed) for t, seed in enumerate(recurring)]
+            for mark, id_kind, t, seed in tasks:
+                group_id = f"eval-s{step:06d}-{entry.env_id}-{mark}{t:03d}"
                 for slot in range(size):
                     episodes.append(EpisodeAssigned(
-                        event_id=scheduled_id(run_id, "eval", step, entry.env_id, t, slot), run_id=run_id,
+                        event_id=scheduled_id(run_id, id_kind, step, entry.env_id, t, slot), run_id=run_id,
                         producer=producer, step=step, split="eval", env_id=entry.env_id,
                         task_family=spec.task_family, seed=seed, group_id=group_id, slot=slot, group_size=size,
                         guided=size > 1 and slot == 0, policy_version=version,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TaskMix(BaseModel):
@@ -29,7 +29,13 @@ class EnvSettings(BaseModel):
         default=(TaskMix(env_id="MiniHack-Room-Random-5x5-v0"),), min_length=1,
         description="The mixture: each step's groups are drawn from these environments by weight.")
     train_pool_size: int = Field(default=1000, gt=0, description="Train task seeds per environment.")
-    eval_tasks_per_env: int = Field(default=8, gt=0, description="Eval pool size per environment.")
+    eval_tasks_per_env: int = Field(
+        default=8, gt=0, description="Eval pool size per environment: tasks never drawn for training.")
+    eval_recurring_per_env: int = Field(
+        default=0, ge=0,
+        description="Train-pool tasks per environment also evaluated (the first N of the pool; group ids end in "
+        "-r<i>): where tasks recur, what the bank remembers of them is what memory is for. At most "
+        "train_pool_size.")
     seed: int = Field(default=0, ge=0, description="Seeds the task pools and the draw of each step's tasks.")
     invalid_action: Literal["skip", "end"] = Field(
         default="skip",
@@ -40,3 +46,10 @@ class EnvSettings(BaseModel):
     webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
     swebench_instances: Path | None = Field(
         default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")
+
+    @model_validator(mode="after")
+    def _recurring_within_the_pool(self) -> EnvSettings:
+        if self.eval_recurring_per_env > self.train_pool_size:
+            raise ValueError(f"eval_recurring_per_env ({self.eval_recurring_per_env}) exceeds train_pool_size "
+                             f"({self.train_pool_size}): only train-pool tasks recur")
+        return self

@@ -70,6 +70,21 @@ def test_eval_assignments_cover_the_fixed_eval_pool_guided_and_free():
     assert [(a.slot, a.guided, a.group_size) for a in grpo] == [(0, False, 1)] * 3
 
 
+def test_recurring_train_tasks_are_evaluated_beside_the_unseen_ones():
+    settings = Settings(envs={"tasks": [{"env_id": "MiniHack-DarkCorridor-v0"}], "eval_tasks_per_env": 2,
+                              "train_pool_size": 5, "eval_recurring_per_env": 3},
+                        actor_trainer={"group_size": 4, "groups_per_step": 2, "warmup_steps": 1})
+    episodes = settings.schedule().eval_assignments("run", PRODUCER, 4)
+    unseen = task_pool("MiniHack-DarkCorridor-v0", "eval", 2, 0)
+    recurring = task_pool("MiniHack-DarkCorridor-v0", "train", 5, 0)[:3]
+    assert [(a.group_id[-4:], a.seed, a.slot) for a in episodes] == \
+        [(f"t{t:03d}", seed, slot) for t, seed in enumerate(unseen) for slot in (0, 1)] + \
+        [(f"r{t:03d}", seed, slot) for t, seed in enumerate(recurring) for slot in (0, 1)]
+    assert len({a.event_id for a in episodes}) == 10 and all(a.split == "eval" for a in episodes)
+    with pytest.raises(ValidationError, match="exceeds train_pool_size"):
+        Settings(envs={"train_pool_size": 2, "eval_recurring_per_env": 3})
+
+
 def _trajectory(env_id: str, guided: bool, success: bool, actions: int, invalid: int) -> TrajectoryCompleted:
     turn = Turn(observation="o", prompt_token_ids=(1,), response_token_ids=(2,), sampling_logprobs=(-1.0,),
                 response_text="x", action="east", valid=True, reward=0.0)
