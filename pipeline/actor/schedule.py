@@ -22,7 +22,8 @@ from schemas.tasks import EpisodeAssigned
 
 _NAMESPACE = uuid.UUID("9b1f3c52-6f0e-4d8b-a7f4-2c61e0d4b9a3")
 EVAL_GROUP_SIZE = 2
-"""Evaluation plays each eval task twice: slot 0 guided, slot 1 free (the `grpo` arm: one free slot)."""
+"""Evaluation plays each eval task twice per repeat (`envs.eval_repeats`): the first half of the slots guided, the
+rest free (the `grpo` arm: free slots only)."""
 
 
 def scheduled_id(run_id: str, *parts: object) -> uuid.UUID:
@@ -90,8 +91,10 @@ class Schedule:
     def eval_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
         """Evaluation slots after `step`: every task of every environment's eval pool (unseen in training; group ids
         `eval-s<step>-<env>-t<i>`), then the first `eval_recurring_per_env` tasks of its train pool (tasks that come
-        back; `...-r<i>`), guided and free."""
-        size = 1 if self.scheduler.arm == "grpo" else EVAL_GROUP_SIZE
+        back; `...-r<i>`), each `eval_repeats` times guided and as often free (the `grpo` arm: free only)."""
+        repeats = self.envs.eval_repeats
+        size = repeats if self.scheduler.arm == "grpo" else EVAL_GROUP_SIZE * repeats
+        guided_slots = 0 if self.scheduler.arm == "grpo" else repeats
         version = self.required_version(step)
         episodes = []
         for entry in self.envs.tasks:
@@ -108,6 +111,6 @@ class Schedule:
                         event_id=scheduled_id(run_id, id_kind, step, entry.env_id, t, slot), run_id=run_id,
                         producer=producer, step=step, split="eval", env_id=entry.env_id,
                         task_family=spec.task_family, seed=seed, group_id=group_id, slot=slot, group_size=size,
-                        guided=size > 1 and slot == 0, policy_version=version,
+                        guided=slot < guided_slots, policy_version=version,
                         max_turns=entry.max_turns or spec.max_turns))
         return episodes

@@ -31,6 +31,10 @@ class EnvSettings(BaseModel):
     train_pool_size: int = Field(default=1000, gt=0, description="Train task seeds per environment.")
     eval_tasks_per_env: int = Field(
         default=8, gt=0, description="Eval pool size per environment: tasks never drawn for training.")
+    eval_repeats: int = Field(
+        default=1, gt=0,
+        description="Episodes per eval task and slot kind: each task is played this many times guided and as many "
+        "free, so a small pool of recurring tasks still gives an evaluation enough episodes.")
     eval_recurring_per_env: int = Field(
         default=0, ge=0,
         description="Train-pool tasks per environment also evaluated (the first N of the pool; group ids end in "

@@ -81,6 +81,14 @@ def test_recurring_train_tasks_are_evaluated_beside_the_unseen_ones():
         [(f"t{t:03d}", seed, slot) for t, seed in enumerate(unseen) for slot in (0, 1)] + \
         [(f"r{t:03d}", seed, slot) for t, seed in enumerate(recurring) for slot in (0, 1)]
     assert len({a.event_id for a in episodes}) == 10 and all(a.split == "eval" for a in episodes)
+    repeated = settings.model_copy(update={"envs": settings.envs.model_copy(update={"eval_repeats": 3})})
+    episodes = repeated.schedule().eval_assignments("run", PRODUCER, 4)
+    assert len(episodes) == 5 * 6 and all(a.group_size == 6 for a in episodes)
+    assert [(a.slot, a.guided) for a in episodes[:6]] == [(0, True), (1, True), (2, True), (3, False), (4, False),
+                                                          (5, False)]
+    grpo = repeated.model_copy(update={"scheduler": repeated.scheduler.model_copy(update={"arm": "grpo"})})
+    assert [(a.slot, a.guided) for a in grpo.schedule().eval_assignments("run", PRODUCER, 4)[:3]] == [
+        (0, False), (1, False), (2, False)]
     with pytest.raises(ValidationError, match="exceeds train_pool_size"):
         Settings(envs={"train_pool_size": 2, "eval_recurring_per_env": 3})
 
