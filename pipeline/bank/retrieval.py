@@ -123,13 +123,17 @@ class ServeRecord:
     """Step of the last episode it was served to."""
 
 
-def eligible(candidates: Sequence[Candidate], settings: RetrievalSettings) -> list[Candidate]:
+def eligible(candidates: Sequence[Candidate], settings: RetrievalSettings) -> list[tuple[int, Candidate]]:
     """The candidates diversification may choose from: those within `similarity_margin` of the best similarity,
-    and at least the `top_k` most similar. candidates: most similar first."""
+    and at least the `top_k` most similar; under `serve="other-task"` (a control) only those outside the margin.
+    candidates: most similar first. Returns (similarity rank, candidate) pairs."""
+    ranked = list(enumerate(candidates))
     if settings.similarity_margin is None or not candidates:
-        return list(candidates)
+        return ranked
     floor = candidates[0].score - settings.similarity_margin
-    return [c for rank, c in enumerate(candidates) if rank < settings.top_k or c.score >= floor]
+    if settings.serve == "other-task":  # the control: only what lies outside the margin
+        return [(rank, c) for rank, c in ranked if c.score < floor]
+    return [(rank, c) for rank, c in ranked if rank < settings.top_k or c.score >= floor]
 
 
 def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord], step: int,
@@ -140,7 +144,7 @@ def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord]
     step: the episode's training step; an experience last served within `recency_window_steps` steps is recent.
     """
     scored = []
-    for rank, candidate in enumerate(eligible(candidates, settings)):
+    for rank, candidate in eligible(candidates, settings):
         record = served.get(candidate.experience_id)
         count = 0 if record is None else record.count
         recent = (record is not None and record.last_step is not None

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +46,13 @@ class RetrievalSettings(BaseModel):
                              "counts training steps, not wall-clock seconds (docs/bank.md#retrieval)")
         return data
 
+    @model_validator(mode="after")
+    def _control_needs_a_margin(self) -> RetrievalSettings:
+        if self.serve == "other-task" and self.similarity_margin is None:
+            raise ValueError("retrieval.serve 'other-task' needs a similarity_margin: what lies outside it is "
+                             "another task's")
+        return self
+
     top_k: int = Field(default=1, ge=1, description="Experiences served per guided episode (the paper shows one).")
     max_batch: int = Field(
         default=16, ge=1, description="Most concurrent queries the batcher serves with one encode and one search."
@@ -65,6 +72,12 @@ class RetrievalSettings(BaseModel):
         default=0.05, ge=0,
         description="Diversify only among candidates whose cosine similarity is within this of the best one's (the "
         "top_k most similar are always eligible); None: among all candidates, as the paper's Eq. 6 does.",
+    )
+    serve: Literal["match", "other-task"] = Field(
+        default="match",
+        description="'match' serves the best match (as above); 'other-task' is a control that serves instead a "
+        "candidate outside the similarity margin (another task's lesson, the most similar of those first): when "
+        "guided episodes then do no better than free ones, the content of the experiences is what helped.",
     )
     recency_window_steps: int = Field(
         default=1, ge=0,

@@ -397,3 +397,15 @@ def test_real_minilm_retrieves_the_experience_learnt_on_a_similar_start() -> Non
     expected = brute_force(bank, vector, "minihack", 3)
     assert [e.experience_id for e in found] == [i for i, _ in expected]
     np.testing.assert_allclose([e.score for e in found], [s for _, s in expected], atol=1e-5)
+
+
+def test_the_other_task_control_serves_only_what_lies_outside_the_margin():
+    # A 0.995 and B 0.894 lie within 0.15 of the best; C 0.555 alone lies outside: the control serves C every time
+    control = abc_retriever(similarity_margin=0.15, serve="other-task")
+    found = control.retrieve_many([("q", "room")] * 3)
+    assert [(r.experiences[0].experience_id, r.experiences[0].similarity_rank) for r in found] == [("C", 2)] * 3
+    # outside a margin of 0.05 lie B and C: the diversification spreads over them, the match A never comes
+    wider = abc_retriever(similarity_margin=0.05, serve="other-task")
+    assert [r.experiences[0].experience_id for r in wider.retrieve_many([("q", "room")] * 4)] == ["B", "C", "B", "B"]
+    with pytest.raises(ValidationError, match="needs a similarity_margin"):
+        RetrievalSettings(serve="other-task", similarity_margin=None)
