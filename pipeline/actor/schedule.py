@@ -99,7 +99,8 @@ class Schedule:
         episodes = []
         for entry in self.envs.tasks:
             spec = env_spec(entry.env_id)
-            unseen = task_pool(entry.env_id, "eval", self.envs.eval_tasks_per_env, self.envs.seed)
+            eval_seed = self.envs.seed if self.envs.eval_seed is None else self.envs.eval_seed
+            unseen = task_pool(entry.env_id, "eval", self.envs.eval_tasks_per_env, eval_seed)
             recurring = task_pool(entry.env_id, "train", self.envs.train_pool_size, self.envs.seed)[
                 : self.envs.eval_recurring_per_env]
             tasks = [("t", "eval", t, seed) for t, seed in enumerate(unseen)]

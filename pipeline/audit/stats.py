@@ -15,9 +15,9 @@ Percentile intervals from `resamples` draws of a seeded generator: the same data
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,7 +39,7 @@ class Estimate:
         return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
-def bootstrap(by_seed: Mapping[Hashable, Sequence[T]], statistic: Callable[[list[T]], float], *,
+def bootstrap(by_seed: Mapping[Any, Sequence[T]], statistic: Callable[[list[T]], float], *,
               resamples: int = 2000, level: float = 0.95, seed: int = 0) -> Estimate:
     """`statistic` of every unit, with the percentile interval of `statistic` over `resamples` two-level resamples:
     seeds with replacement, then within each drawn seed its units with replacement. A resample whose statistic is

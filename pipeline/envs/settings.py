@@ -41,6 +41,10 @@ class EnvSettings(BaseModel):
         "-r<i>): where tasks recur, what the bank remembers of them is what memory is for. At most "
         "train_pool_size.")
     seed: int = Field(default=0, ge=0, description="Seeds the task pools and the draw of each step's tasks.")
+    eval_seed: int | None = Field(
+        default=None, ge=0,
+        description="Seeds the eval pool of unseen tasks (None: `seed`); fixing it while `seed` varies keeps every "
+        "run's evaluation on the same tasks. Eval tasks never meet a train pool of any seed.")
     invalid_action: Literal["skip", "end"] = Field(
         default="skip",
         description="A response naming no available action: 'skip' uses up the turn without stepping the "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.errors import InvalidArgumentError
 from pipeline.rl.advantages import check_choice
 
 LOSS_VARIANTS = ("grpo", "cispo")
@@ -102,7 +103,7 @@ def token_weights(aggregation: str, lengths: Sequence[int], sequences: Sequence[
     check_choice("aggregation", aggregation, AGGREGATIONS)
     sequence_of = list(range(len(lengths))) if sequences is None else list(sequences)
     if len(sequence_of) != len(lengths):
-        raise ValueError(f"{len(sequence_of)} sequence ids for {len(lengths)} samples")
+        raise InvalidArgumentError(f"{len(sequence_of)} sequence ids for {len(lengths)} samples")
     if aggregation == "token-mean":
         return [1.0 / max(sum(lengths), 1)] * len(lengths)
     tokens_of: Counter[int] = Counter()
@@ -112,7 +113,8 @@ def token_weights(aggregation: str, lengths: Sequence[int], sequences: Sequence[
     if aggregation == "seq-mean-token-mean":
         return [1.0 / (max(tokens_of[sequence], 1) * max(count, 1)) for sequence in sequence_of]
     if norm_tokens is None or norm_tokens <= 0:
-        raise ValueError("seq-mean-token-sum-norm needs a positive norm_tokens (the constant each sum is divided by)")
+        raise InvalidArgumentError(
+            "seq-mean-token-sum-norm needs a positive norm_tokens (the constant each sum is divided by)")
     return [1.0 / (norm_tokens * max(count, 1))] * len(lengths)
 
 

@@ -68,6 +68,8 @@ def test_eval_assignments_cover_the_fixed_eval_pool_guided_and_free():
     assert all(a.split == "eval" and a.group_size == 2 for a in episodes)
     grpo = _settings(arm="grpo", eval_tasks_per_env=3).schedule().eval_assignments("run", PRODUCER, 4)
     assert [(a.slot, a.guided, a.group_size) for a in grpo] == [(0, False, 1)] * 3
+    fixed = Settings(envs={"seed": 5, "eval_seed": 0, "eval_tasks_per_env": 3})  # another run's seed, the same pool
+    assert [a.seed for a in fixed.schedule().eval_assignments("run", PRODUCER, 4)][::2] == list(pool)
 
 
 def test_recurring_train_tasks_are_evaluated_beside_the_unseen_ones():
