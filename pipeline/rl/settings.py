@@ -56,6 +56,10 @@ class WarmStartSettings(BaseModel):
         default=0.5, ge=0, le=1,
         description="Share of the data episodes played by the scripted solver (the rest act at random), so "
         "successes and failures both occur.")
+    plays_per_task: int = Field(
+        default=1, ge=1,
+        description="Data episodes per task: above 1, tasks recur in the data and the actor is shown lessons that "
+        "another play of the same task revealed (memory tasks such as the dark corridors need it).")
     seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
     cache_dir: Path | None = Field(
         default=DEFAULT_WARM_START_CACHE,

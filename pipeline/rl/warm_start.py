@@ -127,10 +127,13 @@ def _tasks(tasks: Sequence[TaskMix]) -> list[tuple[str, int]]:
 
 
 def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: int, expert_fraction: float,
-                       seed: int) -> list[DataEpisode]:
+                       seed: int, plays_per_task: int = 1) -> list[DataEpisode]:
     """`episodes` episodes on train-pool seeds, round robin over `tasks`: the solver plays a share of them (where
-    the environment has one), the rest act at random; every turn is labelled with the solver's action."""
+    the environment has one), the rest act at random; every turn is labelled with the solver's action. With
+    `plays_per_task` > 1 the seeds come from a pool of `episodes / plays_per_task` tasks, so a task is played
+    several times and one play's lesson can inform another's (what memory tasks need)."""
     rng = random.Random(seed)
+    pool_size = 1000 if plays_per_task == 1 else max(1, episodes // plays_per_task)
     built: dict[tuple[str, int], TextEnv] = {}
     played: list[DataEpisode] = []
     try:
@@ -139,7 +142,7 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
             env = built.get((env_id, max_turns))
             if env is None:
                 env = built[(env_id, max_turns)] = make_env(env_id, envs, max_turns=max_turns, split="train")
-            task_seed = rng.choice(task_pool(env_id, "train", 1000, seed))
+            task_seed = rng.choice(task_pool(env_id, "train", pool_size, seed))
             goal, observation = env.reset(task_seed)
             first = observation
             expert = rng.random() < expert_fraction
@@ -207,16 +210,21 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
 
 def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int,
                   max_chars: int = 400) -> list[tuple[str, str]]:
-    """(actor prompt, " <solver action>\\n") for every labelled turn. A quarter of the prompts carry the lesson of
-    an episode of the same task (the same environment and goal, so it states what that task revealed), a quarter a
-    lesson of another task, the rest none."""
+    """(actor prompt, " <solver action>\\n") for every labelled turn. A third of the prompts carry the lesson of an
+    episode of the same task (the same environment, goal and start, so it states what that task revealed: with
+    several plays of a task, another play's), a third a lesson of another task, the rest none."""
     from pipeline.actor.episodes import render_actor_prompt
 
     rng = random.Random(seed)
     lessons = [lesson(e.digest, max_chars) for e in episodes]
     by_task: dict[tuple[str, str, str], list[str]] = {}
+    for episode, text in zip(episodes, lessons, strict=True):  # what solved a task informs it best: successes first
+        by_task.setdefault(_task_of(episode.digest), [])
+        if episode.digest.success:
+            by_task[_task_of(episode.digest)].append(text)
     for episode, text in zip(episodes, lessons, strict=True):
-        by_task.setdefault(_task_of(episode.digest), []).append(text)
+        if not by_task[_task_of(episode.digest)]:
+            by_task[_task_of(episode.digest)].append(text)
     samples = []
     for episode in episodes:
         same = by_task[_task_of(episode.digest)]
@@ -226,7 +234,7 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
             if turn.label is None:
                 continue
             draw = rng.random()
-            experience = (rng.choice(same) if draw < 0.25 else rng.choice(other) if draw < 0.5 and other
+            experience = (rng.choice(same) if draw < 1 / 3 else rng.choice(other) if draw < 2 / 3 and other
                           else None)
             prompt = render_actor_prompt(episode.digest.env_id, episode.digest.goal, turn.observation,
                                          experience=experience, history=list(turn.history),
@@ -333,7 +341,8 @@ def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, ta
     from pipeline.actor.episodes import ACTOR_SYSTEM
 
     def train() -> dict[str, Any]:
-        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
+        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
+                                      settings.plays_per_task)
         samples = actor_samples(episodes, history_turns, settings.seed)
         if not samples:
             raise ConfigError(f"behaviour cloning needs a scripted solver, and none of {[t.env_id for t in tasks]}"
@@ -351,7 +360,8 @@ def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings
                          envs: EnvSettings, extractor: ExtractorSettings) -> tuple[TransformersPolicy, dict[str, Any]]:
     """Fine-tuning on the rule-based summariser's answers; returns the policy and what it did."""
     def train() -> dict[str, Any]:
-        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed)
+        episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
+                                      settings.plays_per_task)
         samples = extractor_samples(episodes, extractor, settings.seed)
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
                            seed=settings.seed, system=EXTRACTOR_SYSTEM)
