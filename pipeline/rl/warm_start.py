@@ -8,10 +8,10 @@ configs start from pretrained models instead):
 - **actor: behaviour cloning** from scripted solvers (`TextEnv.expert_action`: MiniHack Room heads for the stairs,
   Sokoban follows its BFS solution). Data episodes are played partly by the solver and partly at random, so the
   states are varied; every turn's label is the solver's action at that state, and the prompt is the rollout
-  worker's own (`render_actor_prompt`). Half of the prompts carry an experience line as guided episodes do: half of
-  those the lesson of an episode of the same task (informative: it states what that task revealed, which the label
-  agrees with), the other half a lesson of another task (irrelevant), so the actor learns to use an experience when
-  it says something and to ignore it when it does not;
+  worker's own (`render_actor_prompt`). A third of the prompts carry the lesson of a play of the same task, a
+  successful one where there is one (informative: it states what that task revealed, which the label agrees with),
+  a third a lesson of another task (irrelevant), a third none, so the actor learns to use an experience when it
+  says something and to ignore it when it does not (`plays_per_task` > 1 makes tasks recur in the data);
 - **extractor: rule-based summaries.** The same data episodes are written up by `summarise` (outcome, length, and
   what the episode revealed, such as where the goal lies relative to the start; the first and most repeated action
   where it revealed nothing) in exactly the answer format the worker parses — `add` when nothing was shown, `refine`
