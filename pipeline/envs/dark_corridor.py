@@ -9,7 +9,8 @@ Each task is a straight corridor, 17 squares long and unlit, with the agent in t
 dark the agent sees only the squares next to it, so the first observation is the same for every task and says nothing
 of the side: a policy without memory picks a side and, at the default turn limit, has no time to come back (it
 succeeds about half the time at best). An earlier episode of the same task reveals the side (`revealed()`: "staircase
-down: 5 west of the start", or "explored 8 east of the start: no staircase down"), and the corridor's name in the goal
+down: 5 west of the start", or, after walking one side to its end, "staircase down: west of the start (the other end
+has none)"; "explored 3 east of the start: no staircase down" otherwise), and the corridor's name in the goal
 lets retrieval find that lesson again. A T-maze in the sense of the memory literature, in NetHack's engine.
 
 Why our own level: MiniHack's dark rooms (`MiniHack-Room-Dark-*`) draw a new layout on every reset, so nothing learnt
@@ -119,10 +120,15 @@ class DarkCorridorEnv(MiniHackEnv):
                          solved=solved, lost=ended and not solved, env_truncated=env_truncated)
 
     def revealed(self) -> tuple[str, ...]:
-        """Where the staircase lies relative to the start once seen; else how far each side was explored."""
+        """Where the staircase lies relative to the start once seen; else, when one side was walked to its end
+        without finding it, that it lies the other way (a corridor has two sides); else how far each side was
+        explored."""
         found = super().revealed()
         if found:
             return found
+        for side, distance in self._explored.items():
+            if distance >= HALF_LENGTH:  # walked to the end wall of that side: the stairs are the other way
+                return (f"staircase down: {'west' if side > 0 else 'east'} of the start (the other end has none)",)
         return tuple(f"explored {distance} {'east' if side > 0 else 'west'} of the start: no staircase down"
                      for side, distance in sorted(self._explored.items(), reverse=True) if distance)
 

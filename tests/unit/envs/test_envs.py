@@ -279,7 +279,12 @@ def test_dark_corridors_hide_the_side_until_explored_and_reveal_it_after():
             while not (outcome := env.step(wrong)).done:
                 pass
             assert outcome.info.truncated and not outcome.info.success
-            assert env.revealed() == (f"explored 8 {wrong} of the start: no staircase down",)
+            # the far wall of the wrong side reached: the stairs are the other way, named as a way to go
+            assert env.revealed() == (f"staircase down: {side} of the start (the other end has none)",)
+            env.reset(seed)
+            env.step(wrong)
+            env.step(wrong)
+            assert env.revealed() == (f"explored 2 {wrong} of the start: no staircase down",)
         assert len(firsts) == 1, "in the dark every corridor starts alike: only memory tells the side"
     finally:
         env.close()
