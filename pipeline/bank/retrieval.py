@@ -125,9 +125,13 @@ class ServeRecord:
 
 def eligible(candidates: Sequence[Candidate], settings: RetrievalSettings) -> list[tuple[int, Candidate]]:
     """The candidates diversification may choose from: those within `similarity_margin` of the best similarity,
-    and at least the `top_k` most similar; under `serve="other-task"` (a control) only those outside the margin.
+    and at least the `top_k` most similar (none when the best is below `min_similarity`); under
+    `serve="other-task"` (a control) only those outside the margin.
     candidates: most similar first. Returns (similarity rank, candidate) pairs."""
     ranked = list(enumerate(candidates))
+    if settings.min_similarity is not None and settings.serve == "match" and candidates \
+            and candidates[0].score < settings.min_similarity:
+        return []  # nothing close enough: an episode is better served nothing than a stranger's lesson
     if settings.similarity_margin is None or not candidates:
         return ranked
     floor = candidates[0].score - settings.similarity_margin

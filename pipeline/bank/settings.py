@@ -73,6 +73,12 @@ class RetrievalSettings(BaseModel):
         description="Diversify only among candidates whose cosine similarity is within this of the best one's (the "
         "top_k most similar are always eligible); None: among all candidates, as the paper's Eq. 6 does.",
     )
+    min_similarity: float | None = Field(
+        default=None, ge=-1, le=1,
+        description="Serve nothing when even the best candidate's cosine similarity is below this (None: always "
+        "serve the best, as the paper does): a task whose own lesson is not in the bank yet gets none rather than "
+        "another task's.",
+    )
     serve: Literal["match", "other-task"] = Field(
         default="match",
         description="'match' serves the best match (as above); 'other-task' is a control that serves instead a "

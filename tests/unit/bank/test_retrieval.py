@@ -409,3 +409,11 @@ def test_the_other_task_control_serves_only_what_lies_outside_the_margin():
     assert [r.experiences[0].experience_id for r in wider.retrieve_many([("q", "room")] * 4)] == ["B", "C", "B", "B"]
     with pytest.raises(ValidationError, match="needs a similarity_margin"):
         RetrievalSettings(serve="other-task", similarity_margin=None)
+
+
+def test_below_the_similarity_floor_nothing_is_served():
+    # the best candidate, A, is 0.99504 similar to q
+    assert abc_retriever(min_similarity=0.99).retrieve_many([("q", "room")])[0].experiences[0].experience_id == "A"
+    below = abc_retriever(min_similarity=0.996)
+    assert below.retrieve_many([("q", "room")])[0].experiences == ()
+    assert below.served("A").count == 0
