@@ -325,8 +325,9 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
 
 def _env_options(envs: EnvSettings) -> dict[str, Any]:
     """What of the env settings the data episodes depend on: how environments are built, not which tasks a run
-    draws (the task seed and pool sizes), so runs that differ only in their seed share one cached warm start."""
-    return envs.model_dump(mode="json", exclude={"tasks", "seed", "train_pool_size", "eval_tasks_per_env"})
+    draws or evaluates (seeds, pools, repeats), so runs that differ only in those share one cached warm start."""
+    return envs.model_dump(mode="json", include={"invalid_action", "alfworld_data", "webshop_num_products",
+                                                 "swebench_instances"})
 
 
 def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict[str, Any]:

@@ -48,6 +48,7 @@ def test_the_cache_key_follows_what_the_samples_depend_on_not_the_runs_task_seed
         return _cache_key("actor", policy, {"envs": _env_options(envs)})
 
     base = key(EnvSettings())
-    assert key(EnvSettings(seed=7, train_pool_size=16, eval_tasks_per_env=200)) == base, \
+    assert key(EnvSettings(seed=7, train_pool_size=16, eval_tasks_per_env=200, eval_seed=3, eval_repeats=4,
+                           eval_recurring_per_env=5)) == base, \
         "the data episodes draw from the warm start's own seed: a run's task seed does not change them"
     assert key(EnvSettings(invalid_action="end")) != base, "how environments treat invalid actions does"
