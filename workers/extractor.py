@@ -54,7 +54,7 @@ from pipeline.extractor.protocol import (
     parse_distill,
     parse_merge,
 )
-from pipeline.models.base import Generation, PolicyModel, SamplingParams
+from pipeline.models.base import Generation, PolicyModel, SamplingParams, limit_threads
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
@@ -94,6 +94,7 @@ class Extractor(Worker):
         self.follower = PolicyFollower(context.follow, "extractor")
         self.generation = self.settings.generation
         self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
+        limit_threads(self.generation.threads)
         self.sampling = SamplingParams(
             max_new_tokens=self.generation.max_new_tokens, temperature=self.generation.temperature,
             top_p=self.generation.top_p, top_k=self.generation.top_k, stop=(ANSWER_STOP,))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.actor.schedule import trajectory_event_id
+from pipeline.models.base import limit_threads
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
@@ -66,6 +67,7 @@ class Rollout(Worker):
         self.follower = PolicyFollower(context.follow, "actor")
         self.generation = self.settings.generation
         self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
+        limit_threads(self.generation.threads)
         self.player = EpisodePlayer(self.settings, context.settings.envs, run_id=self.run_id,
                                     producer=Producer(worker=self.name, instance=context.instance),
                                     seed=self.seed_base)

@@ -8,7 +8,13 @@ views, the per-kind views, and the replayed experience views for the bank), so a
 finished or not, with no broker and no SQL bank. The arm is `RunStarted.config["scheduler"]["arm"]` ("unknown"
 without one).
 
-Figures (PNG, steps on the x axis, drawn with matplotlib's Agg canvas, no display needed):
+The page opens with a table per arm (the runs of an arm pooled as seeds): evaluation success at the first and the
+last evaluation, per eval pool and slot kind, with 95% bootstrap intervals, the rise between them and whether it
+is clear, and guided minus free at the end (`pipeline.audit.learning`).
+
+Figures (PNG, drawn with matplotlib's Agg canvas, no display needed):
+- `learning.png`: per arm, train success (guided, free) against environment steps with 95% bands, and evaluation
+  success before and after training with 95% intervals;
 - `success.png`: success rate per step of train episodes (guided, free) and of eval episodes (guided, free);
 - `actions.png`: mean actions per solved train episode, and invalid actions / actions, per step;
 - `bank.png`: active experiences after each step, and the applied ops per step (added, refined, merged, retired).
@@ -38,6 +44,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from pipeline.audit.learning import (
+    ROW_COLUMNS,
+    ArmRow,
+    RunOutcomes,
+    TrainGroup,
+    arm_table,
+    load_outcomes,
+    row_cells,
+    success_curve,
+)
 from pipeline.audit.views import Audit
 from pipeline.errors import ConfigError, InvalidArgumentError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -106,12 +122,14 @@ class RunData:
 
 @dataclass(frozen=True)
 class Report:
-    """What `write_report` wrote, and the numbers of its table."""
+    """What `write_report` wrote, and the numbers of its tables."""
 
     html: Path
     figures: tuple[Path, ...]
     runs: tuple[RunSummary, ...]
     curves: tuple[RunCurves, ...] = field(repr=False, default=())
+    arms: tuple[ArmRow, ...] = ()
+    """Evaluation success per arm, eval pool and slot kind, pooled over the runs of the arm."""
 
 
 # -- reading a run ----------------------------------------------------------------------------------------------------
@@ -343,9 +361,62 @@ def draw_figures(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+_ARM_LINES: tuple[tuple[str, Callable[[TrainGroup], tuple[bool, ...]]], ...] = (
+    ("guided", lambda g: g.guided), ("free", lambda g: g.free))
+
+
+def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_dir: Path) -> Path:
+    """`learning.png`: per arm (pooled over its runs), train success against environment steps with 95% bands,
+    guided and free; and evaluation success before and after training with 95% intervals."""
+    figure, (curves, evals) = _figure(2)
+    arms: dict[str, list[RunOutcomes]] = {}
+    for run in outcomes:
+        arms.setdefault(run.arm, []).append(run)
+    drawn = False
+    for index, (arm, runs) in enumerate(arms.items()):
+        for style, (kind, which) in zip(_LINE_STYLES, _ARM_LINES, strict=False):
+            points = success_curve(runs, which)
+            if not points:
+                continue
+            drawn = True
+            x = [p.env_steps for p in points]
+            curves.plot(x, [p.success.value for p in points], linestyle=style, marker="o", markersize=3,
+                        color=f"C{index % 10}", label=f"{arm} {kind} ({len(runs)} run{'s' * (len(runs) > 1)})")
+            curves.fill_between(x, [p.success.low for p in points], [p.success.high for p in points],
+                                color=f"C{index % 10}", alpha=0.15)
+    curves.set_title("train success against environment steps (95% bands)", fontsize=10)
+    curves.set_xlabel("environment steps (actions played)")
+    curves.set_ylabel("success rate")
+    curves.set_ylim(-0.05, 1.05)
+    if drawn:
+        curves.legend(fontsize=7, handlelength=4)
+    else:
+        curves.text(0.5, 0.5, "no data", transform=curves.transAxes, ha="center", va="center", color="grey")
+    labels: list[str] = []
+    for row in rows:
+        for when, estimate in (("before", row.before), ("after", row.after)):
+            if estimate is None:
+                continue
+            position = len(labels)
+            evals.errorbar([position], [estimate.value], yerr=[[estimate.value - estimate.low],
+                                                               [estimate.high - estimate.value]],
+                           fmt="o" if when == "before" else "s", capsize=4,
+                           color=f"C{list(arms).index(row.arm) % 10}")
+            labels.append(f"{row.arm}\n{row.pool} {row.kind}\n{when}")
+    evals.set_title("evaluation success before and after training (95% intervals)", fontsize=10)
+    evals.set_ylabel("success rate")
+    evals.set_ylim(-0.05, 1.05)
+    if labels:
+        evals.set_xticks(range(len(labels)), labels, fontsize=6)
+    else:
+        evals.text(0.5, 0.5, "no evaluation", transform=evals.transAxes, ha="center", va="center", color="grey")
+    return _save(figure, out_dir / "learning.png")
+
+
 # -- the page ---------------------------------------------------------------------------------------------------------
 
 _FIGURE_TITLES = {
+    "learning": "Learning per arm: success against environment steps, evaluation before and after",
     "success": "Success: train and eval, guided and free",
     "actions": "Actions per solved task and invalid actions",
     "bank": "Experience bank: size and op mix",
@@ -380,20 +451,26 @@ def summary_line(summary: RunSummary) -> str:
             f"{summary.actor_train_steps} extractor {summary.extractor_train_steps}")
 
 
-def render_html(runs: Sequence[RunSummary], figures: dict[str, Path]) -> str:
-    """The page: title, one table row per run, then the figures (referenced by file name, next to the page)."""
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    header = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table>\n<tr>{header}</tr>\n{body}\n</table>\n"
+
+
+def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = ()) -> str:
+    """The page: title, one table row per arm (evaluation success pooled over its runs, with 95% intervals), one
+    per run, then the figures (referenced by file name, next to the page)."""
     title = "crl report: " + ", ".join(f"{run.run_id} ({run.arm})" for run in runs)
-    header = "".join(f"<th>{html.escape(column)}</th>" for column in _COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in summary_row(run)) + "</tr>"
-                   for run in runs)
+    arm_section = ("<h2>Evaluation per arm (95% intervals: bootstrap over runs, then tasks)</h2>\n"
+                   + _table(ROW_COLUMNS, [row_cells(row) for row in arms])) if arms else ""
     images = "".join(
         f"<h2>{html.escape(_FIGURE_TITLES[name])}</h2>\n"
         f"<img src=\"{html.escape(path.name)}\" alt=\"{html.escape(_FIGURE_TITLES[name])}\">\n"
         for name, path in figures.items()
     )
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n"
-            f"<table>\n<tr>{header}</tr>\n{body}\n</table>\n{images}</body></html>\n")
+            f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
+            f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{images}</body></html>\n")
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Report:
@@ -408,9 +485,11 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Repor
             raise InvalidArgumentError("several runs need an output directory (--out)")
         out_dir = run_dirs[0] / "report"
     runs = [load_run(run_dir) for run_dir in run_dirs]
+    outcomes = [load_outcomes(run_dir) for run_dir in run_dirs]
+    arms = arm_table(outcomes)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = draw_figures(runs, out_dir)
+    figures = {"learning": draw_learning(outcomes, arms, out_dir), **draw_figures(runs, out_dir)}
     page = out_dir / "report.html"
-    page.write_text(render_html([run.summary for run in runs], figures), encoding="utf-8")
+    page.write_text(render_html([run.summary for run in runs], figures, arms), encoding="utf-8")
     return Report(html=page, figures=tuple(figures.values()), runs=tuple(run.summary for run in runs),
-                  curves=tuple(run.curves for run in runs))
+                  curves=tuple(run.curves for run in runs), arms=tuple(arms))

@@ -234,6 +234,9 @@ class Retriever:
         row_of = {pair: row for row, pair in enumerate(distinct)}
         matrix = np.stack([vectors_by_text[text] for text, _family in distinct])  # (distinct, dim)
         k = self.settings.top_k * self.settings.oversample
+        if self.settings.serve == "other-task":
+            # The control looks past every lesson of the query's own task, however many that task has gathered.
+            k = max(k, len(self.bank.state.experiences))
         candidates, bank_offset = self.bank.search_candidates(matrix, [family for _text, family in distinct], k)
         results = []
         with self._serve_lock:

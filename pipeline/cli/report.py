@@ -18,7 +18,10 @@ def report(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Output directory (default: RUN_DIR/report for one run; required for several).")] = None,
 ) -> None:
-    """Write report.html and PNG curves (success, actions, bank, extractor, retrieval) from the runs' archives."""
+    """Write report.html and PNG curves from the runs' archives: per arm (its runs pooled), evaluation success before
+    and after with 95% intervals and success against environment steps with bands; per run, success, actions,
+    bank, extractor and retrieval."""
+    from pipeline.audit.learning import row_line
     from pipeline.audit.report import summary_line, write_report
 
     for run_dir in run_dirs:
@@ -28,5 +31,6 @@ def report(
         raise fail(f"{len(run_dirs)} runs need an output directory: pass --out DIR", 2)
     with console.status(f"reading {len(run_dirs)} run(s) and drawing"):
         written = write_report(run_dirs, out)
-    for line in [*map(summary_line, written.runs), *(f"wrote {path}" for path in (written.html, *written.figures))]:
+    for line in [*map(row_line, written.arms), *map(summary_line, written.runs),
+                 *(f"wrote {path}" for path in (written.html, *written.figures))]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -82,6 +82,10 @@ def _supervise(settings: Settings, report: bool, resume: bool) -> None:
     status = finished.status if finished is not None else "interrupted"
     console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,
                   soft_wrap=True)
+    from pipeline.audit.learning import load_outcomes, verdict_lines
+
+    for line in verdict_lines(load_outcomes(settings.run_dir)):  # 95% intervals over the evaluated tasks
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if report:
         from pipeline.audit.report import summary_line, write_report
 

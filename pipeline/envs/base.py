@@ -135,6 +135,15 @@ class TextEnv(ABC):
         cloning warm start plays with it)."""
         return None
 
+    def uninformed_actions(self) -> tuple[str, ...]:
+        """What a scripted solver would do now knowing only what this episode has shown, not the task's hidden
+        layout: any one of these actions (several: equally good guesses). A task whose observation shows what the
+        solver needs has the solver's own action; () where there is no solver. The warm start labels the turns of
+        prompts that carry no informative experience with these, so the actor guesses where memory is missing and
+        follows an experience where it states the answer."""
+        action = self.expert_action()
+        return (action,) if action is not None else ()
+
     def revealed(self) -> tuple[str, ...]:
         """Facts the episode so far has uncovered that its first observation did not state plainly, in words the
         extractor can turn into a lesson (for example where the goal lies relative to the start). Recorded in the

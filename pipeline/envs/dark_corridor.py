@@ -5,13 +5,15 @@ language.
     goal, observation = env.reset(seed=5)   # "reach the staircase down (>) of the amber heron corridor"
 
 Each task is a straight corridor, 17 squares long and unlit, with the agent in the middle and the staircase down
-3 to 6 squares to the west or to the east; the task seed fixes the corridor's name, the side and the distance. In the
-dark the agent sees only the squares next to it, so the first observation is the same for every task and says nothing
-of the side: a policy without memory picks a side and, at the default turn limit, has no time to come back (it
-succeeds about half the time at best). An earlier episode of the same task reveals the side (`revealed()`: "staircase
-down: 5 west of the start", or, after walking one side to its end, "staircase down: west of the start (the other end
-has none)"; "explored 3 east of the start: no staircase down" otherwise), and the corridor's name in the goal
-lets retrieval find that lesson again. A T-maze in the sense of the memory literature, in NetHack's engine.
+3 to 6 squares to the west or to the east; the task seed draws the corridor's name, which fixes the side and the
+distance. In the dark the agent sees only the squares next to it, so the first observation is the same for every
+task and says nothing of the side: a policy without memory picks a side and, at the default turn limit, has no time
+to come back (it succeeds about half the time at best). An earlier episode of the same task reveals the side
+(`revealed()`: "staircase down: 5 west of the start", or, after walking one side to its end, "staircase down: west
+of the start (the other end has none)"; nothing when it explored a side only part of the way), and the corridor's
+name in the goal lets retrieval find that lesson again. A T-maze in the sense of the memory literature, in NetHack's
+engine. Train pools hold as many corridors with the stairs east as west (`EnvSpec.task_key`), so no fixed side does
+better than chance.
 
 Why our own level: MiniHack's dark rooms (`MiniHack-Room-Dark-*`) draw a new layout on every reset, so nothing learnt
 in one episode holds in the next; its level description language lets a task seed fix the layout.
@@ -34,14 +36,19 @@ DISTANCES = (3, 4, 5, 6)
 ADJECTIVES = ("amber", "silent", "crooked", "hollow", "copper", "frozen", "velvet", "ashen", "gilded", "mossy",
               "narrow", "sunken", "bitter", "pale", "rusted", "whispering")
 CREATURES = ("heron", "badger", "viper", "lynx", "raven", "otter", "moth", "stag", "toad", "falcon", "newt", "boar",
-             "wren", "jackal", "carp", "marten")
+             "wren", "jackal", "carp", "marten", "beetle", "crane", "ferret", "gecko", "hare", "ibis", "owl", "weasel",
+             "bison", "cobra", "dingo", "eagle", "goose", "hyena", "koala", "llama")
 
 
 def corridor_of(seed: int) -> tuple[str, int]:
-    """The task of `seed`: the corridor's name and the staircase's offset from the start (negative: west)."""
+    """The task of `seed`: the corridor's name and the staircase's offset from the start (negative: west). The name
+    fixes the layout, so two seeds that draw one name are one task: an experience of the amber heron corridor is
+    true of it whichever seed drew it. Even seeds (eval pools) and odd seeds (train pools) draw from disjoint halves
+    of the adjectives, 256 corridors each, so an unseen evaluation corridor is never one trained on."""
     rng = random.Random(f"dark-corridor/{seed}")
-    name = f"{rng.choice(ADJECTIVES)} {rng.choice(CREATURES)}"
-    return name, rng.choice((-1, 1)) * rng.choice(DISTANCES)
+    name = f"{rng.choice(ADJECTIVES[seed % 2::2])} {rng.choice(CREATURES)}"
+    layout = random.Random(f"dark-corridor/{name}")
+    return name, layout.choice((-1, 1)) * layout.choice(DISTANCES)
 
 
 def level_description(offset: int) -> str:
@@ -121,16 +128,33 @@ class DarkCorridorEnv(MiniHackEnv):
 
     def revealed(self) -> tuple[str, ...]:
         """Where the staircase lies relative to the start once seen; else, when one side was walked to its end
-        without finding it, that it lies the other way (a corridor has two sides); else how far each side was
-        explored."""
+        without finding it, that it lies the other way (a corridor has two sides); else nothing: a side explored
+        part of the way leaves both open (the stairs may lie further on)."""
         found = super().revealed()
         if found:
             return found
+        side = self._known_side()
+        if side is None:
+            return ()
+        return (f"staircase down: {'east' if side > 0 else 'west'} of the start (the other end has none)",)
+
+    def _known_side(self) -> int | None:
+        """The side of the stairs this episode has learnt by walking the other side to its end wall."""
         for side, distance in self._explored.items():
-            if distance >= HALF_LENGTH:  # walked to the end wall of that side: the stairs are the other way
-                return (f"staircase down: {'west' if side > 0 else 'east'} of the start (the other end has none)",)
-        return tuple(f"explored {distance} {'east' if side > 0 else 'west'} of the start: no staircase down"
-                     for side, distance in sorted(self._explored.items(), reverse=True) if distance)
+            if distance >= HALF_LENGTH:
+                return -side
+        return None
+
+    def uninformed_actions(self) -> tuple[str, ...]:
+        """Without the corridor's layout: keep going the way the agent has gone from the start (a side explored to
+        its end means the other), and at the start either way."""
+        if not self._last:
+            return ()
+        side = self._known_side()
+        if side is None:
+            dx = int(self._last["blstats"][0]) - self._start[0]
+            side = (dx > 0) - (dx < 0)
+        return ("east",) if side > 0 else ("west",) if side < 0 else ("east", "west")
 
     def expert_action(self) -> str | None:
         """Straight toward the staircase: the solver knows the layout (the behaviour-cloning warm start's labels)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pipeline.envs.base import TextEnv
@@ -32,6 +32,10 @@ class EnvSpec:
     """(env settings, max turns, split) -> a new environment."""
     runs_here: bool
     """False for environments whose data or services are not on the development machines."""
+    task_key: Callable[[int], tuple[Hashable, Hashable]] | None = None
+    """Where several seeds can draw one task: seed -> (the task it draws, its kind). A pool then holds distinct
+    tasks, each of the `kinds` equally often (give or take one)."""
+    kinds: int = 1
 
 
 def _minihack(env_id: str, family: str, kind: str) -> Callable[[EnvSettings, int, Split], TextEnv]:
@@ -47,6 +51,13 @@ def _dark_corridor(settings: EnvSettings, max_turns: int, split: Split) -> TextE
     from pipeline.envs.dark_corridor import DarkCorridorEnv
 
     return DarkCorridorEnv(max_turns=max_turns, invalid_action=settings.invalid_action)
+
+
+def _corridor_key(seed: int) -> tuple[Hashable, Hashable]:
+    from pipeline.envs.dark_corridor import corridor_of
+
+    name, offset = corridor_of(seed)
+    return name, offset > 0
 
 
 def _sokoban(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
@@ -91,7 +102,7 @@ _SPECS = [
             _minihack("MiniHack-KeyRoom-Dark-S5-v0", "minihack-keyroom", "keyroom"), True),
     EnvSpec("MiniHack-River-Narrow-v0", "minihack-river", 30,
             _minihack("MiniHack-River-Narrow-v0", "minihack-river", "river"), True),
-    EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True),
+    EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True, _corridor_key, kinds=2),
     EnvSpec("Sokoban-6x6-2box", "sokoban", 30, _sokoban, True),
     EnvSpec("ALFWorld", "alfworld", 40, _alfworld, False),
     EnvSpec("WebShop", "webshop", 15, _webshop, False),
@@ -120,20 +131,33 @@ def _seed_stream(*parts: object) -> random.Random:
 
 def task_pool(env_id: str, split: Split, size: int, seed: int) -> tuple[int, ...]:
     """`size` distinct task seeds of `env_id` for `split`, fixed by (`env_id`, `split`, `seed`). Train and eval pools
-    of the same `seed` never share a task: eval seeds are even, train seeds odd."""
-    env_spec(env_id)
+    of the same `seed` never share a task: eval seeds are even, train seeds odd. Where seeds can draw one task
+    (`EnvSpec.task_key`, the dark corridors), the pool holds distinct tasks, its kinds in equal shares."""
+    spec = env_spec(env_id)
     if size <= 0:
         raise ConfigError(f"a task pool needs a positive size, got {size}")
     rng = _seed_stream("pool", env_id, seed)
     parity = 0 if split == "eval" else 1
     seeds: list[int] = []
     seen: set[int] = set()
-    while len(seeds) < size:
+    tasks: set[Hashable] = set()
+    kinds: dict[Hashable, int] = {}
+    share = -(-size // spec.kinds)
+    for _ in range(1000 * size):
+        if len(seeds) == size:
+            return tuple(seeds)
         candidate = rng.randrange(2**30) * 2 + parity
-        if candidate not in seen:
-            seen.add(candidate)
-            seeds.append(candidate)
-    return tuple(seeds)
+        if candidate in seen:
+            continue
+        seen.add(candidate)
+        if spec.task_key is not None:
+            task, kind = spec.task_key(candidate)
+            if task in tasks or kinds.get(kind, 0) >= share:
+                continue
+            tasks.add(task)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        seeds.append(candidate)
+    raise ConfigError(f"{env_id} has fewer than {size} distinct {split} tasks for a pool of that size")
 
 
 def draw_tasks(settings: EnvSettings, step: int, groups: int) -> list[tuple[TaskMix, int]]:

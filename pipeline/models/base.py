@@ -140,3 +140,11 @@ class PolicyModel(ABC):
     ) -> list[torch.Tensor]:
         """Per row a `(len(response_ids[i]),)` float32 tensor: `log p(response[t] | prompt, response[:t])` under
         `softmax(logits / temperature)` (temperature 0 counts as 1)."""
+
+
+def limit_threads(threads: int) -> None:
+    """torch's CPU threads in this process: `threads`, or torch's own default (one per core) for 0."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -94,3 +94,7 @@ class GenerationSettings(BaseModel):
     max_new_tokens: int = Field(default=8, gt=0, description="Longest response per generation.")
     micro_batch: int = Field(default=32, gt=0, description="Rows per forward pass while generating.")
     seed: int = Field(default=0, ge=0, description="Seeds the sampling of the role's generating workers.")
+    threads: int = Field(
+        default=0, ge=0,
+        description="torch CPU threads of each generating worker (0: torch's default, one per core). On a small "
+        "machine where several workers compute at once, 1 avoids oversubscribing the cores.")

@@ -60,6 +60,11 @@ class WarmStartSettings(BaseModel):
         default=1, ge=1,
         description="Data episodes per task: above 1, tasks recur in the data and the actor is shown lessons that "
         "another play of the same task revealed (memory tasks such as the dark corridors need it).")
+    label_noise: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Actor only: share of the behaviour-cloning labels replaced by an action drawn at random, so "
+        "the actor imitates a noisy solver and starts competent but imperfect however long it trains (RL then has "
+        "room to improve it).")
     seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
     cache_dir: Path | None = Field(
         default=DEFAULT_WARM_START_CACHE,

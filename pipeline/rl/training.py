@@ -198,6 +198,7 @@ class PolicyTrainer:
         policy = initial_policy(self.settings.model)
         warm_start = None
         if self.warm_start is not None:
+            deterministic_torch(self.settings.threads)  # the trainer's thread count, not torch's default
             policy, warm_start = self.warm_start(policy)
         if self.settings.model.lora.rank > 0:
             # Version 0 is the base in full; the adapter the trainer wraps around it starts as the identity.

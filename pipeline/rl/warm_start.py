@@ -87,7 +87,11 @@ def lesson(digest: TrajectoryDigest, max_chars: int) -> str:
 
 
 def summarise(digest: TrajectoryDigest, shown: Sequence[str], max_chars: int) -> str:
-    """The answer the rule-based summariser writes: refine the first experience shown, or add a new one."""
+    """The answer the rule-based summariser writes: refine the first experience shown with this episode's lesson,
+    or add it when none was shown; an episode that revealed nothing leaves a shown experience as it is (`[]`), so a
+    lesson that states where the goal is is not overwritten by one that cannot."""
+    if shown and not digest.revealed:
+        return render_answer([])
     text = lesson(digest, max_chars)
     return render_answer([{"op": "refine", "id": 1, "text": text}] if shown else [{"op": "add", "text": text}])
 
@@ -114,6 +118,10 @@ class DataTurn:
     history: tuple[str, ...]
     label: str | None
     """The scripted solver's action in this state (None: the environment has no solver)."""
+    uninformed: tuple[str, ...] = ()
+    """What the solver would do knowing only what the episode has shown (`TextEnv.uninformed_actions`)."""
+    available: tuple[str, ...] = ()
+    """The actions the environment offered in this state."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,9 @@ def _tasks(tasks: Sequence[TaskMix]) -> list[tuple[str, int]]:
 
 def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: int, expert_fraction: float,
                        seed: int, plays_per_task: int = 1) -> list[DataEpisode]:
-    """`episodes` episodes on train-pool seeds, round robin over `tasks`: the solver plays a share of them (where
-    the environment has one), the rest act at random; every turn is labelled with the solver's action. With
+    """`episodes` episodes on train-pool seeds, round robin over `tasks`: the solver plays `expert_fraction` of
+    them (where the environment has one), the solver that knows only what the episode has shown half of the rest, and
+    random actions the others; every turn is labelled with both solvers' actions. With
     `plays_per_task` > 1 the seeds come from a pool of `episodes / plays_per_task` tasks, so a task is played
     several times and one play's lesson can inform another's (what memory tasks need)."""
     rng = random.Random(seed)
@@ -145,15 +154,19 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
             task_seed = rng.choice(task_pool(env_id, "train", pool_size, seed))
             goal, observation = env.reset(task_seed)
             first = observation
-            expert = rng.random() < expert_fraction
+            draw = rng.random()
+            player = "expert" if draw < expert_fraction else \
+                "uninformed" if draw < expert_fraction + (1 - expert_fraction) / 2 else "random"
             actions: list[str] = []
             turns: list[DataTurn] = []
             success, truncated = False, False
             while True:
-                label = env.expert_action()
-                turns.append(DataTurn(observation, tuple(actions), label))
-                if expert and label is not None:
+                label, uninformed = env.expert_action(), env.uninformed_actions()
+                turns.append(DataTurn(observation, tuple(actions), label, uninformed, env.available_actions()))
+                if player == "expert" and label is not None:
                     response = label
+                elif player == "uninformed" and uninformed:
+                    response = rng.choice(uninformed)
                 elif rng.random() < 0.1:
                     response = INVALID_RESPONSE
                 else:
@@ -208,38 +221,51 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
     return losses
 
 
-def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int,
-                  max_chars: int = 400) -> list[tuple[str, str]]:
-    """(actor prompt, " <solver action>\\n") for every labelled turn. A third of the prompts carry the lesson of an
-    episode of the same task (the same environment, goal and start, so it states what that task revealed: with
-    several plays of a task, another play's), a third a lesson of another task, the rest none."""
+def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int, max_chars: int = 400,
+                  label_noise: float = 0.0) -> list[tuple[str, str]]:
+    """(actor prompt, " <action>\\n") for every labelled turn, a third of the prompts with an informative experience,
+    a third with an irrelevant one, a third with none:
+
+    - informative: the lesson of a play of the same task (the same environment, goal and start) that states what
+      the task revealed, such as where the goal lies; labelled with the solver's action, which it agrees with;
+    - irrelevant: a lesson that states nothing revealed (another task's where there is none); labelled, like the
+      prompts with no experience, with the action of the solver that knows only what the episode has shown
+      (`DataTurn.uninformed`: one of its equally good guesses at random).
+
+    So the actor learns to follow an experience that says where the goal is and to guess on its own where none
+    does. Lessons of another task that state where its goal was are never shown: on a memory task they would
+    contradict the label half the time and teach the actor to distrust every lesson (retrieval's similarity floor
+    keeps them from guided episodes too). With `label_noise`, that share of the labels is an available action drawn
+    at random instead: the actor imitates a noisy solver and starts competent but imperfect however long it
+    trains, which leaves RL room."""
     from pipeline.actor.episodes import render_actor_prompt
 
     rng = random.Random(seed)
     lessons = [lesson(e.digest, max_chars) for e in episodes]
-    by_task: dict[tuple[str, str, str], list[str]] = {}
-    for episode, text in zip(episodes, lessons, strict=True):  # what solved a task informs it best: successes first
-        by_task.setdefault(_task_of(episode.digest), [])
-        if episode.digest.success:
-            by_task[_task_of(episode.digest)].append(text)
+    informative: dict[tuple[str, str, str], list[str]] = {}
     for episode, text in zip(episodes, lessons, strict=True):
-        if not by_task[_task_of(episode.digest)]:
-            by_task[_task_of(episode.digest)].append(text)
+        if episode.digest.revealed:
+            informative.setdefault(_task_of(episode.digest), []).append(text)
+    silent = [text for text, e in zip(lessons, episodes, strict=True) if not e.digest.revealed]
     samples = []
     for episode in episodes:
-        same = by_task[_task_of(episode.digest)]
-        other = [text for text, e in zip(lessons, episodes, strict=True)
-                 if _task_of(e.digest) != _task_of(episode.digest)]
+        task = _task_of(episode.digest)
+        same = informative.get(task, [])
+        irrelevant = silent or [text for text, e in zip(lessons, episodes, strict=True) if _task_of(e.digest) != task]
         for turn in episode.turns:
             if turn.label is None:
                 continue
             draw = rng.random()
-            experience = (rng.choice(same) if draw < 1 / 3 else rng.choice(other) if draw < 2 / 3 and other
-                          else None)
+            experience = (rng.choice(same) if draw < 1 / 3 and same else
+                          rng.choice(irrelevant) if 1 / 3 <= draw < 2 / 3 and irrelevant else None)
+            label = turn.label if experience is not None and draw < 1 / 3 else \
+                rng.choice(turn.uninformed) if turn.uninformed else turn.label
+            if label_noise and turn.available and rng.random() < label_noise:
+                label = rng.choice(turn.available)
             prompt = render_actor_prompt(episode.digest.env_id, episode.digest.goal, turn.observation,
                                          experience=experience, history=list(turn.history),
                                          history_turns=history_turns)
-            samples.append((prompt, f" {turn.label}\n"))
+            samples.append((prompt, f" {label}\n"))
     return samples
 
 
@@ -250,13 +276,18 @@ def _task_of(digest: TrajectoryDigest) -> tuple[str, str, str]:
 
 def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettings,
                       seed: int) -> list[tuple[str, str]]:
-    """(extractor prompt, rule-based answer): one distillation per episode (half with a lesson shown), and one merge
-    chunk per four episodes."""
+    """(extractor prompt, rule-based answer): one distillation per episode, and one merge chunk per four episodes.
+    Half the distillations are shown a lesson, as a guided episode is: the lesson of another play of the same task
+    where there is one (retrieval serves a task its own lessons), else any episode's."""
     rng = random.Random(seed)
     lessons = [lesson(e.digest, settings.max_experience_chars) for e in episodes]
+    plays: dict[tuple[str, str, str], list[int]] = {}
+    for index, episode in enumerate(episodes):
+        plays.setdefault(_task_of(episode.digest), []).append(index)
     samples = []
-    for episode in episodes:
-        shown = [rng.choice(lessons)] if rng.random() < 0.5 else []
+    for index, episode in enumerate(episodes):
+        others = [i for i in plays[_task_of(episode.digest)] if i != index]
+        shown = [lessons[rng.choice(others)] if others else rng.choice(lessons)] if rng.random() < 0.5 else []
         prompt = distill_prompt(episode.digest, shown, max_ops=settings.max_ops,
                                 max_actions=settings.max_actions_shown)
         samples.append((prompt, summarise(episode.digest, shown, settings.max_experience_chars)))
@@ -277,6 +308,7 @@ def _cache_key(kind: str, policy: TransformersPolicy, parts: dict[str, Any]) -> 
 
     sources = "".join(Path(inspect.getfile(module)).read_text() for module in _source_modules())
     payload = json.dumps({"kind": kind, "initial_weights": weight_hash(policy.model), "parts": parts,
+                          "threads": torch.get_num_threads(),  # float sums, so the weights, depend on it
                           "source": hashlib.sha256(sources.encode()).hexdigest()}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
@@ -285,6 +317,8 @@ def _source_modules() -> list[ModuleType]:
     import sys
 
     import pipeline.actor.episodes
+    import pipeline.envs.base
+    import pipeline.envs.dark_corridor
     import pipeline.envs.minihack
     import pipeline.envs.sokoban
     import pipeline.extractor.protocol
@@ -292,7 +326,7 @@ def _source_modules() -> list[ModuleType]:
 
     # What forms the samples: the prompts, the chat formatting (`PolicyModel.prompt_ids`), the environments.
     return [sys.modules[__name__], pipeline.extractor.protocol, pipeline.actor.episodes, pipeline.models.base,
-            pipeline.envs.minihack, pipeline.envs.sokoban]
+            pipeline.envs.base, pipeline.envs.minihack, pipeline.envs.dark_corridor, pipeline.envs.sokoban]
 
 
 def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict[str, Any],
@@ -344,7 +378,7 @@ def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, ta
     def train() -> dict[str, Any]:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
                                       settings.plays_per_task)
-        samples = actor_samples(episodes, history_turns, settings.seed)
+        samples = actor_samples(episodes, history_turns, settings.seed, label_noise=settings.label_noise)
         if not samples:
             raise ConfigError(f"behaviour cloning needs a scripted solver, and none of {[t.env_id for t in tasks]}"
                               " has one (MiniHack Room and Sokoban do); set actor_trainer.warm_start.steps: 0")

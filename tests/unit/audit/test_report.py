@@ -52,7 +52,8 @@ def episode(run_id: str, step: int, split: str, slot: int, success: bool, action
     return TrajectoryCompleted(
         **common(run_id), trajectory_id=f"{run_id}-{split}-s{step}-k{slot}", assignment_event_id=f"a-{step}-{slot}",
         step=step, split=split, env_id="MiniHack-Room-Random-5x5-v0", task_family=FAMILY, seed=step, slot=slot,
-        group_id=f"{split}-s{step}", guided=guided, goal="Reach the stairs.",
+        group_id=f"{split}-s{step}" if split == "train" else f"eval-s{step:06d}-MiniHack-Room-Random-5x5-v0-t000",
+        guided=guided, goal="Reach the stairs.",
         turns=(Turn(observation="A room.", prompt_token_ids=(1, 2), response_token_ids=(3,), sampling_logprobs=(-0.5,),
                     response_text="south", action="south", valid=True, reward=float(success)),),
         reward=float(success), success=success, num_actions=actions, invalid_actions=invalid, truncated=not success,
@@ -187,13 +188,18 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
     out = tmp_path / "comparison"
     report = write_report(list(runs), out)
     assert report.html == out / "report.html"
-    assert [path.name for path in report.figures] == FIGURES
+    assert [path.name for path in report.figures] == ["learning.png", *FIGURES]
     for path in report.figures:
         assert path.parent == out
         assert path.read_bytes().startswith(PNG_MAGIC)
     page = report.html.read_text()
-    assert re.findall(r'<img src="([^"]+)"', page) == FIGURES
-    assert page.count("<tr>") == 3  # header + one row per run
+    assert re.findall(r'<img src="([^"]+)"', page) == ["learning.png", *FIGURES]
+    # the arm table: header + the complementary arm's guided and free rows (the grpo run has no evaluation); then
+    # the run table: header + one row per run
+    assert page.count("<tr>") == 3 + 3
+    assert [(row.arm, row.kind, row.tasks, row.before.value, row.verdict) for row in report.arms] == [
+        ("complementary", "guided", 1, 1.0, "not measured (one evaluation)"),
+        ("complementary", "free", 1, 0.0, "not measured (one evaluation)")]
     for text in ("comp-1 (complementary)", "grpo-1 (grpo)", "<td>abc123</td>", "<td>62.5%</td>",
                  "<td>5 / 2 / 1</td>", "<td>unfinished</td>"):
         assert text in page
@@ -234,7 +240,9 @@ def test_cli_writes_the_report_of_several_runs(runs, tmp_path):
     out = tmp_path / "cli-out"
     result = invoke(str(runs[0]), str(runs[1]), "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert sorted(path.name for path in out.iterdir()) == sorted([*FIGURES, "report.html"])
+    assert sorted(path.name for path in out.iterdir()) == sorted([*FIGURES, "learning.png", "report.html"])
+    assert ("complementary, unseen tasks, guided (1 run, 1 tasks): eval success 1.00 [1.00, 1.00] -> 1.00 [1.00, "
+            "1.00]: not measured (one evaluation); guided - free after +1.00 [+1.00, +1.00]") in result.output
     assert ("comp-1 (complementary): completed, 2 steps, eval success guided 100.0% free 0.0%, train success "
             "62.5%, bank 1, extractions ok/no_op/parse_error 5 / 2 / 1, train steps actor 2 extractor 2"
             ) in result.output

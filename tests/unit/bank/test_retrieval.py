@@ -409,6 +409,9 @@ def test_the_other_task_control_serves_only_what_lies_outside_the_margin():
     assert [r.experiences[0].experience_id for r in wider.retrieve_many([("q", "room")] * 4)] == ["B", "C", "B", "B"]
     with pytest.raises(ValidationError, match="needs a similarity_margin"):
         RetrievalSettings(serve="other-task", similarity_margin=None)
+    # k = top_k * oversample = 1 candidate would hold only the match A; the control looks past it to C
+    narrow = abc_retriever(similarity_margin=0.15, serve="other-task", oversample=1)
+    assert narrow.retrieve_many([("q", "room")])[0].experiences[0].experience_id == "C"
 
 
 def test_below_the_similarity_floor_nothing_is_served():

@@ -281,10 +281,29 @@ def test_dark_corridors_hide_the_side_until_explored_and_reveal_it_after():
             assert outcome.info.truncated and not outcome.info.success
             # the far wall of the wrong side reached: the stairs are the other way, named as a way to go
             assert env.revealed() == (f"staircase down: {side} of the start (the other end has none)",)
+            # part of the way: both sides still open, nothing revealed; the solver without the layout keeps going
             env.reset(seed)
+            assert env.uninformed_actions() == ("east", "west"), "at the start either way"
             env.step(wrong)
             env.step(wrong)
-            assert env.revealed() == (f"explored 2 {wrong} of the start: no staircase down",)
+            assert env.revealed() == ()
+            assert env.uninformed_actions() == (wrong,) and env.expert_action() == side
         assert len(firsts) == 1, "in the dark every corridor starts alike: only memory tells the side"
     finally:
         env.close()
+
+
+def test_a_corridor_name_fixes_its_layout_and_pools_are_balanced_and_disjoint():
+    from pipeline.envs.dark_corridor import corridor_of
+
+    layouts: dict[str, int] = {}
+    for seed in range(4000):  # 256 names per parity: every name is drawn many times
+        name, offset = corridor_of(seed)
+        assert layouts.setdefault(name, offset) == offset, "two seeds that draw one name are one corridor"
+    train = {corridor_of(seed) for seed in task_pool("MiniHack-DarkCorridor-v0", "train", 64, 0)}
+    unseen = {corridor_of(seed) for seed in task_pool("MiniHack-DarkCorridor-v0", "eval", 64, 0)}
+    assert len(train) == len(unseen) == 64, "a pool holds distinct corridors"
+    assert sum(offset > 0 for _name, offset in train) == 32, "as many with the stairs east as west"
+    assert not {name for name, _ in train} & {name for name, _ in unseen}, "an unseen corridor is never a train one"
+    with pytest.raises(ConfigError, match="fewer than 300 distinct train tasks"):
+        task_pool("MiniHack-DarkCorridor-v0", "train", 300, 0)

@@ -1,0 +1,309 @@
+"""Did it learn? Evaluation success before and after training, guided against free, per arm pooled over runs, with
+95% intervals; and success against environment steps with interval bands.
+
+    runs = [load_outcomes(d) for d in run_dirs]                     # one per run directory
+    for row in arm_table(runs): print(row.arm, row.pool, row.kind, row.before, row.after, row.rise, row.verdict)
+    for line in verdict_lines(load_outcomes(run_dir)): print(line)  # what `crl run` prints at its end
+
+What is measured, from the archive's `TrajectoryCompleted` events:
+- an evaluation is every eval episode of one step: the fixed pool of unseen tasks (`t`, `envs.eval_seed`), and where
+  configured the recurring train-pool tasks (`r`), each played guided and free (`envs.eval_repeats` times each);
+- **before** is a run's first evaluation (step 0: the starting policy, an empty bank), **after** its last;
+- **rise** is after minus before, paired per task (the same task evaluated twice); **gap** is guided minus free at
+  the last evaluation, paired per task.
+
+Intervals: a two-level bootstrap (runs, then tasks within each run; `pipeline.audit.stats`), percentile, 95%. Pooling
+several runs of one arm treats them as seeds. A rise whose interval lies above 0 "rose", below 0 "fell", otherwise
+there is "no clear change". The curves bin train episodes by step; a step's x is the mean over runs of the
+environment steps (actions) played up to its end, its band the interval of its success over runs and groups.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pipeline.audit.stats import Estimate, bootstrap, success_rate
+from pipeline.audit.views import Audit
+from pipeline.errors import InvalidArgumentError
+
+Pool = Literal["t", "r"]
+POOL_NAMES: dict[str, str] = {"t": "unseen", "r": "recurring"}
+EvalKey = tuple[int, str, str, int]
+"""(eval step, env id, pool, task seed)."""
+
+
+@dataclass(frozen=True)
+class TrainGroup:
+    """One GRPO group of one train step."""
+
+    step: int
+    group: str
+    guided: tuple[bool, ...]
+    """Outcomes of the guided episodes."""
+    free: tuple[bool, ...]
+    actions: int
+    """Environment steps (actions) the group's episodes took."""
+
+
+@dataclass(frozen=True)
+class RunOutcomes:
+    """What one run's archive says about success, per task and per group."""
+
+    run_dir: Path
+    run_id: str
+    arm: str
+    warmup: int
+    evals: dict[EvalKey, dict[bool, list[bool]]] = field(repr=False)
+    """(eval step, env id, pool, task seed) -> guided? -> outcomes."""
+    train: tuple[TrainGroup, ...] = field(repr=False)
+
+    def eval_steps(self, pool: str) -> list[int]:
+        return sorted({step for step, _, p, _ in self.evals if p == pool})
+
+    def evaluation(self, pool: str, which: Literal["first", "last"]) -> dict[tuple[str, int], dict[bool, list[bool]]]:
+        """(env id, task seed) -> guided? -> outcomes, at the run's first or last evaluation of `pool`."""
+        steps = self.eval_steps(pool)
+        if not steps:
+            return {}
+        step = steps[0] if which == "first" else steps[-1]
+        return {(env, seed): outcomes for (s, env, p, seed), outcomes in self.evals.items()
+                if s == step and p == pool}
+
+
+def load_outcomes(run_dir: Path) -> RunOutcomes:
+    """Read a run's eval outcomes per task and its train groups from its archive."""
+    with Audit(run_dir) as audit:
+        started = audit.query("SELECT run_id, config FROM run_started ORDER BY occurred_at LIMIT 1")[1]
+        evals: dict[EvalKey, dict[bool, list[bool]]] = {}
+        rows = audit.query("SELECT step, env_id, group_id, seed, guided, success FROM trajectories "
+                           "WHERE split = 'eval' ORDER BY step, group_id, slot")[1]
+        for step, env_id, group_id, seed, guided, success in rows:
+            pool = group_id.rsplit("-", 1)[1][0]  # eval-s<step>-<env>-t<i> | -r<i>
+            key = (int(step), str(env_id), pool, int(seed))
+            evals.setdefault(key, {True: [], False: []})[bool(guided)].append(bool(success))
+        groups: dict[tuple[int, str], tuple[list[bool], list[bool], list[int]]] = {}
+        for step, group_id, guided, success, actions in audit.query(
+                "SELECT step, group_id, guided, success, num_actions FROM trajectories WHERE split = 'train' "
+                "ORDER BY step, group_id, slot")[1]:
+            entry = groups.setdefault((int(step), str(group_id)), ([], [], []))
+            entry[0 if guided else 1].append(bool(success))
+            entry[2].append(int(actions))
+    run_id, config = started[0] if started else (run_dir.name, "{}")
+    settings = json.loads(config) if isinstance(config, str) else (config or {})
+    train = tuple(TrainGroup(step, group, tuple(g), tuple(f), sum(a))
+                  for (step, group), (g, f, a) in sorted(groups.items()))
+    return RunOutcomes(run_dir=run_dir, run_id=str(run_id),
+                       arm=str(settings.get("scheduler", {}).get("arm", "unknown")),
+                       warmup=int(settings.get("actor_trainer", {}).get("warmup_steps", 0)), evals=evals, train=train)
+
+
+# -- statistics over runs ---------------------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def paired_difference(units: list[tuple[float, float]]) -> float:
+    """Mean of first minus second over paired units: (after, before) gives a rise, (guided, free) a gap."""
+    return _mean([a - b for a, b in units])
+
+
+def eval_success(runs: Sequence[RunOutcomes], pool: str, which: Literal["first", "last"], guided: bool,
+                 resamples: int = 2000) -> Estimate | None:
+    """Success of one slot kind at the first or last evaluation, pooled over runs and tasks."""
+    by_run = {i: [o[guided] for o in run.evaluation(pool, which).values() if o[guided]] for i, run in enumerate(runs)}
+    return bootstrap(by_run, success_rate, resamples=resamples) if any(by_run.values()) else None
+
+
+def eval_rise(runs: Sequence[RunOutcomes], pool: str, guided: bool, resamples: int = 2000) -> Estimate | None:
+    """Last evaluation minus the first, paired per task (None with fewer than two evaluations)."""
+    by_run: dict[int, list[tuple[float, float]]] = {}
+    for i, run in enumerate(runs):
+        if len(run.eval_steps(pool)) < 2:
+            continue
+        before, after = run.evaluation(pool, "first"), run.evaluation(pool, "last")
+        by_run[i] = [(_mean(after[t][guided]), _mean(before[t][guided])) for t in sorted(before.keys() & after.keys())
+                     if before[t][guided] and after[t][guided]]
+    return bootstrap(by_run, paired_difference, resamples=resamples) if any(by_run.values()) else None
+
+
+def guided_gap(runs: Sequence[RunOutcomes], pool: str, which: Literal["first", "last"] = "last",
+               resamples: int = 2000) -> Estimate | None:
+    """Guided minus free success at an evaluation, paired per task."""
+    by_run = {i: [(_mean(o[True]), _mean(o[False])) for o in run.evaluation(pool, which).values()
+                  if o[True] and o[False]] for i, run in enumerate(runs)}
+    return bootstrap(by_run, paired_difference, resamples=resamples) if any(by_run.values()) else None
+
+
+def verdict(rise: Estimate | None) -> str:
+    """"rose" when the interval lies above 0, "fell" below it, else "no clear change"."""
+    if rise is None:
+        return "not measured (one evaluation)"
+    if rise.low > 0:
+        return "rose"
+    if rise.high < 0:
+        return "fell"
+    return "no clear change"
+
+
+@dataclass(frozen=True)
+class ArmRow:
+    """Evaluation success of one arm, one pool and one slot kind, pooled over the arm's runs."""
+
+    arm: str
+    runs: int
+    pool: str
+    kind: str
+    """"guided" or "free"."""
+    tasks: int
+    before: Estimate | None
+    after: Estimate | None
+    rise: Estimate | None
+    gap: Estimate | None
+    """Guided minus free at the last evaluation (on the guided row only)."""
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.rise)
+
+
+def arm_table(runs: Sequence[RunOutcomes], resamples: int = 2000) -> list[ArmRow]:
+    """One row per arm, eval pool and slot kind, the arm's runs pooled (arms in order of first appearance)."""
+    arms: dict[str, list[RunOutcomes]] = {}
+    for run in runs:
+        arms.setdefault(run.arm, []).append(run)
+    rows = []
+    for arm, members in arms.items():
+        for pool in ("t", "r"):
+            for guided in (True, False):
+                before = eval_success(members, pool, "first", guided, resamples)
+                if before is None:
+                    continue
+                tasks = sum(len([o for o in run.evaluation(pool, "first").values() if o[guided]]) for run in members)
+                rows.append(ArmRow(arm, len(members), POOL_NAMES[pool], "guided" if guided else "free", tasks, before,
+                                   eval_success(members, pool, "last", guided, resamples),
+                                   eval_rise(members, pool, guided, resamples),
+                                   guided_gap(members, pool, "last", resamples) if guided else None))
+    return rows
+
+
+def _interval(estimate: Estimate | None, signed: bool = False) -> str:
+    if estimate is None:
+        return "-"
+    sign = "+" if signed else ""
+    return f"{estimate.value:{sign}.2f} [{estimate.low:{sign}.2f}, {estimate.high:{sign}.2f}]"
+
+
+def row_cells(row: ArmRow) -> list[str]:
+    """The table cells of an arm row: arm, runs, pool, kind, tasks, before, after, rise, verdict, gap."""
+    return [row.arm, str(row.runs), row.pool, row.kind, str(row.tasks), _interval(row.before),
+            _interval(row.after), _interval(row.rise, signed=True), row.verdict, _interval(row.gap, signed=True)]
+
+
+def row_line(row: ArmRow) -> str:
+    """An arm row as one line of text (the CLI prints it)."""
+    runs = f"{row.runs} run{'s' * (row.runs != 1)}"
+    line = (f"{row.arm}, {row.pool} tasks, {row.kind} ({runs}, {row.tasks} tasks): eval success "
+            f"{_interval(row.before)} -> {_interval(row.after)}: {row.verdict}")
+    if row.rise is not None:
+        line += f" ({_interval(row.rise, signed=True)})"
+    if row.gap is not None:
+        line += f"; guided - free after {_interval(row.gap, signed=True)}"
+    return line
+
+
+ROW_COLUMNS = ("arm", "runs", "eval pool", "slots", "tasks", "success before [95%]", "success after [95%]",
+               "after - before [95%]", "success", "guided - free after [95%]")
+
+
+def verdict_lines(run: RunOutcomes, resamples: int = 2000) -> list[str]:
+    """What a run says about its own learning, in words: per eval pool and slot kind, success at the first and last
+    evaluation with 95% intervals over the pool's tasks, whether it rose, and guided against free at the end."""
+    lines = []
+    for row in arm_table([run], resamples):
+        if row.after is None or row.rise is None:
+            lines.append(f"eval success, {row.pool} tasks, {row.kind}: {_interval(row.before)} at step "
+                         f"{run.eval_steps(row.pool[0])[0]} (one evaluation)")
+            continue
+        steps = run.eval_steps("t" if row.pool == "unseen" else "r")
+        lines.append(f"eval success, {row.pool} tasks ({row.tasks}), {row.kind}: {_interval(row.before)} at step "
+                     f"{steps[0]} -> {_interval(row.after)} at step {steps[-1]}: {row.verdict} "
+                     f"({_interval(row.rise, signed=True)})")
+        if row.gap is not None:
+            lines.append(f"  guided - free at step {steps[-1]}: {_interval(row.gap, signed=True)}")
+    return lines
+
+
+# -- curves against environment steps ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    step: int
+    env_steps: float
+    """Mean over the runs of the environment steps played up to the end of this step."""
+    success: Estimate
+
+
+def success_curve(runs: Sequence[RunOutcomes], which: Callable[[TrainGroup], tuple[bool, ...]],
+                  resamples: int = 1000) -> list[CurvePoint]:
+    """Train success per step against environment steps, pooled over runs (units: groups), with 95% bands."""
+    steps = sorted({g.step for run in runs for g in run.train})
+    spent = [0.0] * len(runs)
+    points = []
+    for step in steps:
+        by_run = {}
+        for i, run in enumerate(runs):
+            groups = [g for g in run.train if g.step == step]
+            spent[i] += sum(g.actions for g in groups)
+            units = [list(which(g)) for g in groups if which(g)]
+            if units:
+                by_run[i] = units
+        if by_run:
+            points.append(CurvePoint(step, _mean(spent), bootstrap(by_run, success_rate, resamples=resamples)))
+    return points
+
+
+# -- arms against each other at equal environment steps ---------------------------------------------------------------
+
+
+def within_budget(run: RunOutcomes, budget: int) -> dict[tuple[int, str], TrainGroup]:
+    """The run's train groups after its warm-up, in the steps that began before it had played `budget`
+    environment steps: (step, group id) -> group."""
+    spent, chosen = 0, {}
+    for step in sorted({g.step for g in run.train}):
+        groups = [g for g in run.train if g.step == step]
+        if step >= run.warmup and spent < budget:
+            chosen.update({(g.step, g.group): g for g in groups})
+        spent += sum(g.actions for g in groups)
+    return chosen
+
+
+def success_ratio(units: list[tuple[int, int, int, int]]) -> float:
+    """(successes A, episodes A, successes B, episodes B) units -> success rate of A over success rate of B."""
+    rate_a = sum(u[0] for u in units) / sum(u[1] for u in units)
+    rate_b = sum(u[2] for u in units) / sum(u[3] for u in units)
+    return rate_a / rate_b
+
+
+def ratio_at_equal_env_steps(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes],
+                             resamples: int = 2000) -> tuple[Estimate, int]:
+    """Train success of arm `a` over arm `b` and the environment-step budget it was measured at: the smallest total
+    any run of either arm played. Runs pair by position (the same seed: the same task draws per step), groups by
+    (step, group id); each unit is one pair of groups."""
+    if len(a) != len(b) or not a:
+        raise InvalidArgumentError(f"arms pair run by run: {len(a)} runs against {len(b)}")
+    budget = min(sum(g.actions for g in run.train) for run in (*a, *b))
+    by_run: dict[int, list[tuple[int, int, int, int]]] = {}
+    for i, (run_a, run_b) in enumerate(zip(a, b, strict=True)):
+        groups_a, groups_b = within_budget(run_a, budget), within_budget(run_b, budget)
+        by_run[i] = [(sum(ga.guided + ga.free), len(ga.guided + ga.free), sum(gb.guided + gb.free),
+                      len(gb.guided + gb.free))
+                     for key in sorted(groups_a.keys() & groups_b.keys())
+                     for ga, gb in [(groups_a[key], groups_b[key])]]
+    return bootstrap(by_run, success_ratio, resamples=resamples), budget

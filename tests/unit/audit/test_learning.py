@@ -1,0 +1,163 @@
+"""Learning statistics of runs (`pipeline.audit.learning`): what is read from an archive, and every statistic worked
+out by hand on small runs.
+
+Run: pytest tests/unit/audit/test_learning.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.audit.learning import (
+    RunOutcomes,
+    TrainGroup,
+    arm_table,
+    eval_rise,
+    eval_success,
+    guided_gap,
+    load_outcomes,
+    ratio_at_equal_env_steps,
+    success_curve,
+    verdict,
+    verdict_lines,
+    within_budget,
+)
+from pipeline.audit.stats import Estimate
+from pipeline.errors import InvalidArgumentError
+from schemas.runs import RunStarted
+from tests.unit.audit.test_report import archived, common, episode
+
+ENV = "MiniHack-Room-Random-5x5-v0"
+
+
+def outcomes(evals, train=(), arm="complementary", warmup=0, name="r") -> RunOutcomes:
+    return RunOutcomes(run_dir=None, run_id=name, arm=arm, warmup=warmup, evals=evals,  # type: ignore[arg-type]
+                       train=tuple(train))
+
+
+def test_an_archive_gives_outcomes_per_eval_task_and_per_train_group(tmp_path):
+    def eval_episode(step, pool, task, slot, guided, success):
+        e = episode("run-a", step, "eval", slot, success, 3, guided=guided)
+        return e.model_copy(update={"group_id": f"eval-s{step:06d}-{ENV}-{pool}{task:03d}", "seed": 100 + task,
+                                    "trajectory_id": f"eval-{step}-{pool}{task}-{slot}"})
+
+    events = [
+        RunStarted(**common("run-a"), config={"scheduler": {"arm": "grpo"}, "actor_trainer": {"warmup_steps": 1}},
+                   code_version="x"),
+        episode("run-a", 0, "train", 0, True, 4, guided=True), episode("run-a", 0, "train", 1, False, 6),
+        episode("run-a", 1, "train", 0, False, 5), episode("run-a", 1, "train", 1, True, 2),
+        eval_episode(0, "t", 0, 0, True, True), eval_episode(0, "t", 0, 1, False, False),
+        eval_episode(0, "r", 1, 0, False, True), eval_episode(2, "t", 0, 0, True, False),
+    ]
+    run = load_outcomes(archived(tmp_path / "a", events))
+    assert (run.run_id, run.arm, run.warmup) == ("run-a", "grpo", 1)
+    assert run.evals == {(0, ENV, "t", 100): {True: [True], False: [False]},
+                         (0, ENV, "r", 101): {True: [], False: [True]},
+                         (2, ENV, "t", 100): {True: [False], False: []}}
+    assert run.train == (TrainGroup(0, "train-s0", (True,), (False,), 10),
+                         TrainGroup(1, "train-s1", (), (False, True), 7))
+    assert run.eval_steps("t") == [0, 2] and run.eval_steps("r") == [0]
+    assert run.evaluation("t", "last") == {(ENV, 100): {True: [False], False: []}}
+
+
+# Two runs, three unseen tasks each, evaluated at steps 0 and 9: per task (guided outcomes, free outcomes).
+RUN_1 = outcomes({
+    (0, ENV, "t", 1): {True: [False, False], False: [False, True]},
+    (0, ENV, "t", 2): {True: [True, False], False: [False, False]},
+    (0, ENV, "t", 3): {True: [False, False], False: [True, True]},
+    (9, ENV, "t", 1): {True: [True, True], False: [True, True]},
+    (9, ENV, "t", 2): {True: [True, True], False: [False, True]},
+    (9, ENV, "t", 3): {True: [True, False], False: [True, True]},
+}, name="one")
+RUN_2 = outcomes({
+    (0, ENV, "t", 1): {True: [False, False], False: [False, False]},
+    (9, ENV, "t", 1): {True: [True, True], False: [False, True]},
+}, name="two")
+
+
+def test_success_before_and_after_pool_every_episode_of_every_run():
+    # before, free: run 1 has 1 + 0 + 2 of 6, run 2 0 of 2: 3 / 8; after, free: 2 + 1 + 2 + 1 of 8
+    assert eval_success([RUN_1, RUN_2], "t", "first", guided=False).value == pytest.approx(3 / 8)
+    assert eval_success([RUN_1, RUN_2], "t", "last", guided=False).value == pytest.approx(6 / 8)
+    assert eval_success([RUN_1, RUN_2], "r", "first", guided=False) is None
+
+
+def test_the_rise_pairs_each_task_with_itself():
+    # free: task 1 (1 - 0.5), task 2 (0.5 - 0), task 3 (1 - 1), run 2's task (0.5 - 0): mean of 0.5, 0.5, 0, 0.5
+    rise = eval_rise([RUN_1, RUN_2], "t", guided=False)
+    assert rise.value == pytest.approx(0.375)
+    assert rise.low <= rise.value <= rise.high
+    # guided: (1 - 0), (1 - 0.5), (0.5 - 0), (1 - 0): 0.75; every unit is positive, so the whole interval is
+    rise = eval_rise([RUN_1, RUN_2], "t", guided=True)
+    assert rise.value == pytest.approx(0.75) and rise.low > 0
+    assert verdict(rise) == "rose"
+    one_evaluation = outcomes({(0, ENV, "t", 1): {True: [True], False: [False]}})
+    assert eval_rise([one_evaluation], "t", guided=False) is None
+
+
+def test_the_gap_is_guided_minus_free_on_each_task_at_the_last_evaluation():
+    # run 1 at step 9: (1 - 1), (1 - 0.5), (0.5 - 1); run 2: (1 - 0.5): mean of 0, 0.5, -0.5, 0.5
+    assert guided_gap([RUN_1, RUN_2], "t").value == pytest.approx(0.125)
+    # at step 0: (0 - 0.5), (0.5 - 0), (0 - 1), (0 - 0)
+    assert guided_gap([RUN_1, RUN_2], "t", "first").value == pytest.approx(-0.25)
+
+
+def test_verdicts_read_the_interval():
+    assert verdict(Estimate(0.2, 0.05, 0.3)) == "rose"
+    assert verdict(Estimate(-0.2, -0.3, -0.01)) == "fell"
+    assert verdict(Estimate(0.1, -0.02, 0.2)) == "no clear change"
+    assert verdict(None) == "not measured (one evaluation)"
+
+
+def test_the_arm_table_pools_the_runs_of_each_arm():
+    grpo = outcomes({(0, ENV, "t", 1): {True: [], False: [False]}, (5, ENV, "t", 1): {True: [], False: [True]}},
+                    arm="grpo")
+    rows = arm_table([RUN_1, grpo, RUN_2])
+    assert [(r.arm, r.runs, r.pool, r.kind, r.tasks) for r in rows] == [
+        ("complementary", 2, "unseen", "guided", 4), ("complementary", 2, "unseen", "free", 4),
+        ("grpo", 1, "unseen", "free", 1)]
+    guided, free, alone = rows
+    assert guided.rise.value == pytest.approx(0.75) and guided.gap.value == pytest.approx(0.125)
+    assert free.gap is None and free.after.value == pytest.approx(6 / 8)
+    # one task that went from 0 to 1: every resample agrees
+    assert (alone.before.value, alone.after.value, alone.rise.value, alone.rise.low) == (0.0, 1.0, 1.0, 1.0)
+    assert alone.verdict == "rose"
+
+
+def test_a_run_states_in_words_whether_success_rose():
+    lines = verdict_lines(RUN_1)
+    assert lines[0].startswith("eval success, unseen tasks (3), guided: 0.17 [") and "at step 0 -> 0.83 [" in lines[0]
+    assert lines[0].split(": ")[-1].startswith(("rose", "no clear change"))
+    assert lines[1].startswith("  guided - free at step 9: +0.00 [")
+    assert lines[2].startswith("eval success, unseen tasks (3), free: 0.50 [") and "-> 0.83 [" in lines[2]
+
+
+def group(step, group_id, guided, free, actions):
+    return TrainGroup(step, group_id, tuple(guided), tuple(free), actions)
+
+
+def test_arms_compare_at_equal_environment_steps():
+    # arm A: step 0 is the warm-up; steps 1 and 2 train. Arm B never warms up. B plays fewer actions in all (25):
+    # the budget. A: steps begun before 25 actions were spent are 0 (0 spent), 1 (10), 2 (20) -> 1 and 2 count.
+    a = outcomes({}, [group(0, "g0", [], [True, False], 10), group(1, "g0", [True, True], [False, False], 10),
+                      group(2, "g0", [True], [True], 10)], warmup=1)
+    b = outcomes({}, [group(0, "g0", [], [True, False], 5), group(1, "g0", [], [True, False, False, False], 10),
+                      group(2, "g0", [], [False, False], 10)])
+    assert set(within_budget(a, 25)) == {(1, "g0"), (2, "g0")}
+    assert set(within_budget(b, 25)) == {(0, "g0"), (1, "g0"), (2, "g0")}
+    ratio, budget = ratio_at_equal_env_steps([a], [b])
+    # pairs (1, g0) and (2, g0): A 2 + 2 of 4 + 2, B 1 + 0 of 4 + 2: (4 / 6) / (1 / 6) = 4
+    assert budget == 25 and ratio.value == pytest.approx(4.0)
+    with pytest.raises(InvalidArgumentError, match="pair run by run"):
+        ratio_at_equal_env_steps([a], [b, b])
+
+
+def test_success_curves_put_each_step_at_the_mean_environment_steps_played_by_its_end():
+    a = outcomes({}, [group(0, "g0", [True], [False], 10), group(1, "g0", [True], [True], 6)])
+    b = outcomes({}, [group(0, "g0", [False], [False], 20), group(1, "g0", [True], [False], 4)])
+    curve = success_curve([a, b], lambda g: g.guided + g.free)
+    assert [(p.step, p.env_steps) for p in curve] == [(0, 15.0), (1, 20.0)]
+    assert [p.success.value for p in curve] == [pytest.approx(0.25), pytest.approx(0.75)]
+    assert all(p.success.low <= p.success.value <= p.success.high for p in curve)
+    free_only = success_curve([a, b], lambda g: g.free)
+    assert [p.success.value for p in free_only] == [0.0, 0.5]
