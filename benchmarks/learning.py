@@ -3,6 +3,7 @@
     python benchmarks/learning.py                  # both experiments, 5 seeds per arm, goals checked
     python benchmarks/learning.py --quick          # one seed, 3 steps, small pools; no goals
     python benchmarks/learning.py --experiments memory --seeds 3
+    python benchmarks/learning.py --experiments room --set CRL_ACTOR_TRAINER__AGGREGATION=seq-mean-token-mean
 
 Every run is a real `crl run CONFIG --arm ARM` (embedded broker, every worker a process), its seed set through
 `CRL_ENVS__SEED` and the sampling seeds; runs go one after another (2 cores), and a run directory that already holds
@@ -96,6 +97,7 @@ def run(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, r
         env.update({"CRL_ENVS__EVAL_REPEATS": str(args.eval_repeats),
                     "CRL_ENVS__EVAL_TASKS_PER_ENV": str(args.unseen_tasks)})
     env.update({key: value.format(steps=args.steps) for key, value in arm.env.items()})
+    env.update(dict(setting.split("=", 1) for setting in args.set))
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(experiment.config), "--arm", arm.arm,
                              "--steps", str(args.steps), "--run-dir", str(run_dir), "--no-report"],
@@ -115,14 +117,18 @@ def report(name: str, estimate: Estimate, goal: Callable[[Estimate], bool] | Non
 
 
 def print_arms(runs: dict[str, list[RunOutcomes]], resamples: int) -> None:
-    """Every arm's evaluation success before and after, per pool and slot kind (`eval_<when>_<pool>_<kind>_<arm>=`)."""
+    """Every arm's evaluation success before and after, per pool and slot kind (`eval_<when>_<pool>_<kind>_<arm>=`),
+    the rise between them (`rise_...`) and guided minus free at the end (`gap_<pool>_<arm>=`)."""
     from pipeline.audit.learning import arm_table
 
     for arm_name, outcomes in runs.items():
         for row in arm_table(outcomes, resamples):
-            for when, estimate in (("before", row.before), ("after", row.after)):
+            for when, estimate in (("before", row.before), ("after", row.after), ("rise", row.rise)):
                 if estimate is not None:
-                    print(f"eval_{when}_{row.pool}_{row.kind}_{arm_name}={estimate}")
+                    prefix = "rise" if when == "rise" else f"eval_{when}"
+                    print(f"{prefix}_{row.pool}_{row.kind}_{arm_name}={estimate}")
+            if row.gap is not None:
+                print(f"gap_{row.pool}_{arm_name}={row.gap}")
 
 
 def main() -> None:
@@ -131,14 +137,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--eval-seed", type=int, default=0, help="Seeds the fixed pool of unseen eval tasks.")
-    parser.add_argument("--eval-tasks", type=int, default=200, help="Room: unseen rooms per evaluation.")
+    parser.add_argument("--eval-tasks", type=int, default=300, help="Room: unseen rooms per evaluation.")
     parser.add_argument("--eval-repeats", type=int, default=13,
                         help="Memory: plays of each eval corridor per evaluation, guided and as many free.")
     parser.add_argument("--unseen-tasks", type=int, default=8, help="Memory: unseen corridors reported beside.")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=None, help="Directory for the runs (default runs/learning-*).")
     parser.add_argument("--quick", action="store_true", help="One seed, 3 steps, small eval pools, no goals.")
+    parser.add_argument("--arms", nargs="+", default=[], metavar="ARM",
+                        help="Run only these arms (an ablation): their evaluations are printed, no comparison.")
+    parser.add_argument("--set", action="append", default=[], metavar="CRL_KEY=VALUE",
+                        help="A setting for every run (an ablation: CRL_ACTOR_TRAINER__AGGREGATION=...); repeatable.")
     args = parser.parse_args()
+    for setting in args.set:
+        if not setting.startswith("CRL_") or "=" not in setting:
+            parser.error(f"--set takes CRL_KEY=VALUE, got {setting!r}")
     if args.quick:
         args.seeds, args.steps, args.eval_tasks, args.eval_repeats, args.unseen_tasks = 1, 3, 32, 2, 2
     check = not args.quick and args.seeds >= 5
@@ -161,7 +174,7 @@ def main() -> None:
         print(f"random_success_{name}={floor.rate:.4f}  # {floor.episodes} episodes at {turns} turns, 95% "
               f"{floor.interval()[0]:.3f}-{floor.interval()[1]:.3f}")
         runs: dict[str, list[RunOutcomes]] = {}
-        for arm in experiment.arms:
+        for arm in [a for a in experiment.arms if not args.arms or a.name in args.arms]:
             runs[arm.name] = []
             for seed in range(args.seeds):
                 run_dir = out / name / f"{arm.name}-s{seed}"
@@ -169,6 +182,8 @@ def main() -> None:
                     run(experiment, arm, seed, args, run_dir)
                 runs[arm.name].append(load_outcomes(run_dir))
         print_arms(runs, args.resamples)
+        if args.arms:
+            continue  # an ablation of some arms: their evaluations only
         if name == "room":
             grpo = eval_rise(runs["grpo"], "t", guided=False, resamples=args.resamples)
             control = eval_rise(runs["control"], "t", guided=False, resamples=args.resamples)

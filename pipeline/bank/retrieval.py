@@ -13,7 +13,8 @@ How one query is served (the paper's retrieval and its diversification stabilise
 3. Margin: only candidates whose similarity is within `similarity_margin` of the best one's stay eligible (the
    `top_k` most similar always do), so diversification spreads serves over near-equivalent experiences and never
    hands an episode a clearly worse match, such as another task's lesson once the closest one has been served.
-4. Diversification: the eligible candidate at 0-based similarity rank `r` scores
+4. Diversification: the eligible candidate at 0-based similarity rank `r` (equally similar candidates, such as the
+   lessons of one task keyed by its query, share a rank) scores
    `s = -r - diversity_lambda * log(1 + count) - [served to an episode of the last recency_window_steps steps]`,
    and the `top_k` best `s` are served (ties: the more similar first). Without it the same few experiences would
    guide every episode, and the extractor would get credit signal for only those.
@@ -125,26 +126,33 @@ class ServeRecord:
 
 def eligible(candidates: Sequence[Candidate], settings: RetrievalSettings) -> list[tuple[int, Candidate]]:
     """The candidates diversification may choose from: those within `similarity_margin` of the best similarity,
-    and at least the `top_k` most similar (none when the best is below `min_similarity`); under
-    `serve="other-task"` (a control) only those outside the margin.
+    and at least the `top_k` most similar, none below `min_similarity` (so none at all when even the best is
+    below it); under `serve="other-task"` (a control) only those outside the margin, whatever their similarity.
     candidates: most similar first. Returns (similarity rank, candidate) pairs."""
-    ranked = list(enumerate(candidates))
-    if settings.min_similarity is not None and settings.serve == "match" and candidates \
-            and candidates[0].score < settings.min_similarity:
-        return []  # nothing close enough: an episode is better served nothing than a stranger's lesson
+    # Competition ranking: equally similar candidates (one task's lessons share its query's key) share a rank, so
+    # the rank term does not favour whichever of them the index happened to list first.
+    ranked, rank = [], 0
+    for position, candidate in enumerate(candidates):
+        if position and candidate.score != candidates[position - 1].score:
+            rank = position
+        ranked.append((rank, candidate))
+    if settings.min_similarity is not None and settings.serve == "match":
+        # an episode is better served nothing than a stranger's lesson
+        ranked = [(rank, c) for rank, c in ranked if c.score >= settings.min_similarity]
     if settings.similarity_margin is None or not candidates:
         return ranked
     floor = candidates[0].score - settings.similarity_margin
     if settings.serve == "other-task":  # the control: only what lies outside the margin
-        return [(rank, c) for rank, c in ranked if c.score < floor]
-    return [(rank, c) for rank, c in ranked if rank < settings.top_k or c.score >= floor]
+        return [(r, c) for r, c in ranked if c.score < floor]
+    return [(r, c) for r, c in ranked if r < settings.top_k or c.score >= floor]
 
 
 def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord], step: int,
               settings: RetrievalSettings) -> list[RetrievedExperience]:
     """The `top_k` eligible candidates by `s = -r - lambda * log(1 + count) - recent`, best first (ties: lower `r`).
 
-    candidates: one query's candidates, most similar first (r = position). served: the counters at serve time.
+    candidates: one query's candidates, most similar first (r: their competition rank by similarity, equal
+    similarities sharing one). served: the counters at serve time.
     step: the episode's training step; an experience last served within `recency_window_steps` steps is recent.
     """
     scored = []

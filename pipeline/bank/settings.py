@@ -75,9 +75,9 @@ class RetrievalSettings(BaseModel):
     )
     min_similarity: float | None = Field(
         default=None, ge=-1, le=1,
-        description="Serve nothing when even the best candidate's cosine similarity is below this (None: always "
-        "serve the best, as the paper does): a task whose own lesson is not in the bank yet gets none rather than "
-        "another task's.",
+        description="Never serve a candidate whose cosine similarity to the query is below this, and nothing when "
+        "even the best is (None: always serve the best, as the paper does): a task whose own lesson is not in the "
+        "bank yet gets none rather than another task's.",
     )
     serve: Literal["match", "other-task"] = Field(
         default="match",

@@ -320,13 +320,16 @@ def _source_modules() -> list[ModuleType]:
     import pipeline.envs.base
     import pipeline.envs.dark_corridor
     import pipeline.envs.minihack
+    import pipeline.envs.registry
     import pipeline.envs.sokoban
     import pipeline.extractor.protocol
     import pipeline.models.base
 
-    # What forms the samples: the prompts, the chat formatting (`PolicyModel.prompt_ids`), the environments.
+    # What forms the samples: the prompts, the chat formatting (`PolicyModel.prompt_ids`), the environments and
+    # their task pools.
     return [sys.modules[__name__], pipeline.extractor.protocol, pipeline.actor.episodes, pipeline.models.base,
-            pipeline.envs.base, pipeline.envs.minihack, pipeline.envs.dark_corridor, pipeline.envs.sokoban]
+            pipeline.envs.base, pipeline.envs.registry, pipeline.envs.minihack, pipeline.envs.dark_corridor,
+            pipeline.envs.sokoban]
 
 
 def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict[str, Any],

@@ -27,8 +27,11 @@ def _crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.Co
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], str]:
     run_dir = tmp_path_factory.mktemp("e2e") / "tiny"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    # Three steps (two warm-up steps fill the bank, the third is guided), with a merge after step 1.
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2"})
+    # Three steps of two groups of 8 (two warm-up steps fill the bank, the third is guided), a merge after step 1,
+    # and an evaluation of 4 unseen rooms before training and at the last step.
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2",
+                "CRL_ACTOR_TRAINER__WARMUP_STEPS": "2", "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2",
+                "CRL_ENVS__EVAL_TASKS_PER_ENV": "4"})
     result = _crl("run", "configs/tiny-minihack-room.yaml", "--steps", "3", "--run-dir", str(run_dir), env=env,
                   timeout=1200)
     output = result.stdout + result.stderr
@@ -41,6 +44,12 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
 def test_the_run_completes_and_points_at_what_to_do_next(finished_run):
     run_dir, _env, output = finished_run
     assert "completed" in output
+    # what the run says of its learning: the fixed eval pool before training and at the last step, with intervals
+    for kind in ("guided", "free"):
+        line = next(x for x in output.splitlines() if x.startswith(f"eval success, unseen tasks (4), {kind}: "))
+        assert " at step 0 -> " in line and " at step 2: " in line
+        assert line.split(" at step 2: ")[1].startswith(("rose", "fell", "no clear change")), line
+    assert "  guided - free at step 2: " in output
     assert f"crl replay bank {run_dir}" in output and f"crl audit experience {run_dir}" in output
     assert not (run_dir / "broker.json").exists(), "the broker was stopped and its address file removed"
     for name in ("archive", "checkpoints", "logs", "metrics", "bank/snapshots", "report"):

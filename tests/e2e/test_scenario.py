@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 CRL = [sys.executable, "-m", "pipeline.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
-GROUPS = 2  # groups of 4 per step: 8 episodes, half the config's, so each step costs half the CPU
+GROUPS = 2  # groups of 4 per step: 8 episodes, a quarter of the config's, so each step costs little CPU
 EPISODES = GROUPS * 4
 TRAINED = re.compile(r"-> version (\d+)")
 
@@ -244,7 +244,8 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     supervision = request.param == "tansu"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     env.update({"HF_HUB_OFFLINE": "1", "COLUMNS": "400", "CRL_ACTOR_TRAINER__WARMUP_STEPS": "1",
-                "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": str(GROUPS), "CRL_SCHEDULER__EVAL_EVERY": "0"})
+                "CRL_ACTOR_TRAINER__GROUP_SIZE": "4", "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": str(GROUPS),
+                "CRL_SCHEDULER__EVAL_EVERY": "0"})
     if supervision:
         plugin = str(_plugin(root / "plugin"))
         env.update({"PYTHONPATH": os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH")) if p),

@@ -399,6 +399,20 @@ def test_real_minilm_retrieves_the_experience_learnt_on_a_similar_start() -> Non
     np.testing.assert_allclose([e.score for e in found], [s for _, s in expected], atol=1e-5)
 
 
+def test_lessons_keyed_alike_share_a_rank_so_serves_spread_over_all_of_them():
+    # three lessons of one task, keyed by its query (similarity 1 each), and another task's: one rank for the three,
+    # so the counts alone decide and each is served once before any twice (ranked by position, the first would
+    # be served until 0.4 log(1 + n) > 1, i.e. 12 times in a row)
+    vectors = {"A1": [1.0, 0, 0, 0], "A2": [1.0, 0, 0, 0], "A3": [1.0, 0, 0, 0], "B": [0.8, 0.6, 0, 0]}
+    bank = bank_of([added(f"op-{name}", name, np.array(v)) for name, v in vectors.items()])
+    encoder = HashEncoder(dim=4, fixed={"q": np.array([1.0, 0.0, 0.0, 0.0])})
+    retriever = Retriever(bank, encoder, RetrievalSettings(top_k=1, oversample=4, recency_window_steps=0))
+    served = [r.experiences[0] for r in retriever.retrieve_many([("q", "room")] * 6)]
+    assert sorted(e.experience_id for e in served[:3]) == ["A1", "A2", "A3"]
+    assert sorted(e.experience_id for e in served[3:]) == ["A1", "A2", "A3"]
+    assert {e.similarity_rank for e in served} == {0}
+
+
 def test_the_other_task_control_serves_only_what_lies_outside_the_margin():
     # A 0.995 and B 0.894 lie within 0.15 of the best; C 0.555 alone lies outside: the control serves C every time
     control = abc_retriever(similarity_margin=0.15, serve="other-task")
@@ -420,3 +434,6 @@ def test_below_the_similarity_floor_nothing_is_served():
     below = abc_retriever(min_similarity=0.996)
     assert below.retrieve_many([("q", "room")])[0].experiences == ()
     assert below.served("A").count == 0
+    # within the margin of A (0.15) lies B (0.894), but below the floor: A is served every time, B never
+    floor = abc_retriever(similarity_margin=0.15, min_similarity=0.9)
+    assert [r.experiences[0].experience_id for r in floor.retrieve_many([("q", "room")] * 3)] == ["A"] * 3
