@@ -61,7 +61,9 @@ class LaunchSettings(BaseModel):
 class Settings(BaseSettings):
     """Everything a worker or command needs to know about its environment."""
 
-    model_config = SettingsConfigDict(env_prefix="CRL_", env_nested_delimiter="__", frozen=True, extra="ignore")
+    # env_parse_none_str: CRL_RETRIEVAL__SIMILARITY_MARGIN=null sets a setting that may be None to None.
+    model_config = SettingsConfigDict(env_prefix="CRL_", env_nested_delimiter="__", frozen=True, extra="ignore",
+                                      env_parse_none_str="null")
 
     config: Path | None = Field(
         default=None,

@@ -40,6 +40,7 @@ How this departs from the paper's description:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import queue
 import threading
@@ -155,17 +156,22 @@ def diversify(candidates: Sequence[Candidate], served: Mapping[str, ServeRecord]
     similarities sharing one). served: the counters at serve time.
     step: the episode's training step; an experience last served within `recency_window_steps` steps is recent.
     """
+    control = settings.serve == "other-task"
     scored = []
     for rank, candidate in eligible(candidates, settings):
         record = served.get(candidate.experience_id)
         count = 0 if record is None else record.count
         recent = (record is not None and record.last_step is not None
                   and step - record.last_step < settings.recency_window_steps)
-        score = -rank - settings.diversity_lambda * math.log1p(count) - (1.0 if recent else 0.0)
-        scored.append((score, rank, candidate))
-    scored.sort(key=lambda item: (-item[0], item[1]))
+        # The control draws other tasks' lessons as a shuffle would: no similarity term, ties in a fixed
+        # pseudo-random order, so an episode's lesson is of no task in particular (the nearest task's side would
+        # otherwise agree or not with the query's for all of its serves at once).
+        score = -(0 if control else rank) - settings.diversity_lambda * math.log1p(count) - (1.0 if recent else 0.0)
+        order = hashlib.sha256(candidate.experience_id.encode()).hexdigest() if control else ""
+        scored.append((score, rank, order, candidate))
+    scored.sort(key=lambda item: (-item[0], item[2], item[1]))
     return [RetrievedExperience(c.experience_id, c.version, c.generation_id, c.text, c.score, rank, score)
-            for score, rank, c in scored[: settings.top_k]]
+            for score, rank, _order, c in scored[: settings.top_k]]
 
 
 @dataclass

@@ -81,9 +81,10 @@ class RetrievalSettings(BaseModel):
     )
     serve: Literal["match", "other-task"] = Field(
         default="match",
-        description="'match' serves the best match (as above); 'other-task' is a control that serves instead a "
-        "candidate outside the similarity margin (another task's lesson, the most similar of those first): when "
-        "guided episodes then do no better than free ones, the content of the experiences is what helped.",
+        description="'match' serves the best match (as above); 'other-task' is a control that serves instead "
+        "another task's lesson (a candidate outside the similarity margin, drawn as a shuffle would: no similarity "
+        "term, the least served first): when guided episodes then do no better than free ones, the content of the "
+        "experiences is what helped.",
     )
     recency_window_steps: int = Field(
         default=1, ge=0,

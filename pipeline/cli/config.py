@@ -78,7 +78,8 @@ equal to its output). Settings are read once, at the command line, and passed do
 that names a setting wins:
 
 1. `CRL_*` environment variables, `__` between levels: `CRL_SCHEDULER__STEPS=3`,
-   `CRL_ACTOR_TRAINER__MODEL__LORA__RANK=8`. Lists and mappings are JSON: `CRL_ENVS__TASKS='[{"env_id": "..."}]'`.
+   `CRL_ACTOR_TRAINER__MODEL__LORA__RANK=8`. Lists and mappings are JSON: `CRL_ENVS__TASKS='[{"env_id": "..."}]'`;
+   `null` sets a setting whose default may be None to None: `CRL_RETRIEVAL__SIMILARITY_MARGIN=null`.
 2. A run config: YAML with the same structure (`configs/*.yaml`), named by `crl --config FILE`, by `CRL_CONFIG` or
    as the argument of `crl run CONFIG`. Unknown keys are errors.
 3. The defaults below.

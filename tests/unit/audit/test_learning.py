@@ -7,6 +7,7 @@ Run: pytest tests/unit/audit/test_learning.py
 from __future__ import annotations
 
 import pytest
+from test_report import archived, common, episode
 
 from pipeline.audit.learning import (
     RunOutcomes,
@@ -25,7 +26,6 @@ from pipeline.audit.learning import (
 from pipeline.audit.stats import Estimate
 from pipeline.errors import InvalidArgumentError
 from schemas.runs import RunStarted
-from tests.unit.audit.test_report import archived, common, episode
 
 ENV = "MiniHack-Room-Random-5x5-v0"
 

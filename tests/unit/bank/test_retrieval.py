@@ -418,9 +418,13 @@ def test_the_other_task_control_serves_only_what_lies_outside_the_margin():
     control = abc_retriever(similarity_margin=0.15, serve="other-task")
     found = control.retrieve_many([("q", "room")] * 3)
     assert [(r.experiences[0].experience_id, r.experiences[0].similarity_rank) for r in found] == [("C", 2)] * 3
-    # outside a margin of 0.05 lie B and C: the diversification spreads over them, the match A never comes
+    # outside a margin of 0.05 lie B and C, and the match A never comes. The control has no similarity term: ties
+    # go in sha256 order of the ids (C's 6b23... before B's df7e...). C (s = 0), then B (C: -0.4 log 2 - 1 recent
+    # = -1.277 < 0), then C again (both -1.277, sha256 order), then B (C: -0.4 log 3 - 1 = -1.439 < -1.277).
     wider = abc_retriever(similarity_margin=0.05, serve="other-task")
-    assert [r.experiences[0].experience_id for r in wider.retrieve_many([("q", "room")] * 4)] == ["B", "C", "B", "B"]
+    served = [r.experiences[0] for r in wider.retrieve_many([("q", "room")] * 4)]
+    assert [e.experience_id for e in served] == ["C", "B", "C", "B"]
+    assert [e.similarity_rank for e in served] == [2, 1, 2, 1], "the similarity rank is recorded as it is"
     with pytest.raises(ValidationError, match="needs a similarity_margin"):
         RetrievalSettings(serve="other-task", similarity_margin=None)
     # k = top_k * oversample = 1 candidate would hold only the match A; the control looks past it to C
