@@ -77,10 +77,12 @@ class Experiment:
 
 EXPERIMENTS = {
     "room": Experiment("room", ROOT / "configs" / "tiny-minihack-room.yaml", "MiniHack-Room-Random-5x5-v0", (
-        Arm("grpo", "grpo"), Arm("control", "grpo", {"CRL_ACTOR_TRAINER__WARMUP_STEPS": "{steps}"}))),
+        Arm("grpo", "grpo"),
+        Arm("control", "grpo", {"CRL_ACTOR_TRAINER__WARMUP_STEPS": "{steps}", "CRL_SCHEDULER__VARIANT": "control"}))),
     "memory": Experiment("memory", ROOT / "configs" / "tiny-dark-corridor.yaml", "MiniHack-DarkCorridor-v0", (
         Arm("complementary", "complementary"), Arm("grpo", "grpo"), Arm("static_extractor", "static_extractor"),
-        Arm("shuffled", "complementary", {"CRL_RETRIEVAL__SERVE": "other-task"}))),
+        Arm("shuffled", "complementary",
+            {"CRL_RETRIEVAL__SERVE": "other-task", "CRL_SCHEDULER__VARIANT": "shuffled"}))),
 }
 
 

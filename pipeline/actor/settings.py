@@ -26,6 +26,10 @@ class SchedulerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     arm: Arm = Field(default="complementary", description="complementary | grpo | static_extractor | exp_only.")
+    variant: str | None = Field(
+        default=None,
+        description="A name for this run's variant of its arm (a control, an ablation: `grpo-frozen`); `crl report` "
+        "pools runs by it (default: by arm), so runs of one arm with different settings stay apart.")
     steps: int = Field(default=10, gt=0, description="Training steps to schedule (warm-up included).")
     staleness: int = Field(
         default=0, ge=0,

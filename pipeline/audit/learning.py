@@ -56,6 +56,7 @@ class RunOutcomes:
     run_dir: Path
     run_id: str
     arm: str
+    """The run's `scheduler.variant`, else its arm: what `arm_table` pools runs by."""
     warmup: int
     evals: dict[EvalKey, dict[bool, list[bool]]] = field(repr=False)
     """(eval step, env id, pool, task seed) -> guided? -> outcomes."""
@@ -96,8 +97,9 @@ def load_outcomes(run_dir: Path) -> RunOutcomes:
     settings = json.loads(config) if isinstance(config, str) else (config or {})
     train = tuple(TrainGroup(step, group, tuple(g), tuple(f), sum(a))
                   for (step, group), (g, f, a) in sorted(groups.items()))
+    scheduler = settings.get("scheduler", {})
     return RunOutcomes(run_dir=run_dir, run_id=str(run_id),
-                       arm=str(settings.get("scheduler", {}).get("arm", "unknown")),
+                       arm=str(scheduler.get("variant") or scheduler.get("arm", "unknown")),
                        warmup=int(settings.get("actor_trainer", {}).get("warmup_steps", 0)), evals=evals, train=train)
 
 

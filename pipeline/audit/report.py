@@ -54,6 +54,7 @@ from pipeline.audit.learning import (
     row_cells,
     success_curve,
 )
+from pipeline.audit.stats import Estimate
 from pipeline.audit.views import Audit
 from pipeline.errors import ConfigError, InvalidArgumentError
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -392,22 +393,29 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
         curves.legend(fontsize=7, handlelength=4)
     else:
         curves.text(0.5, 0.5, "no data", transform=curves.transAxes, ha="center", va="center", color="grey")
+    ticks: list[float] = []
     labels: list[str] = []
-    for row in rows:
-        for when, estimate in (("before", row.before), ("after", row.after)):
-            if estimate is None:
-                continue
-            position = len(labels)
+    for index, row in enumerate(rows):
+        if row.before is None:
+            continue
+        colour = f"C{list(arms).index(row.arm) % 10}"
+        marks: list[tuple[float, Estimate]] = [(float(index), row.before)]
+        if row.after is not None:
+            marks.append((index + 0.5, row.after))
+        evals.plot([p for p, _ in marks], [e.value for _, e in marks], color=colour, linewidth=1)
+        for (position, estimate), marker, when in zip(marks, ("o", "s"), ("before", "after"), strict=False):
             evals.errorbar([position], [estimate.value], yerr=[[estimate.value - estimate.low],
-                                                               [estimate.high - estimate.value]],
-                           fmt="o" if when == "before" else "s", capsize=4,
-                           color=f"C{list(arms).index(row.arm) % 10}")
-            labels.append(f"{row.arm}\n{row.pool} {row.kind}\n{when}")
-    evals.set_title("evaluation success before and after training (95% intervals)", fontsize=10)
+                                                       [estimate.high - estimate.value]],
+                           fmt=marker, capsize=4, color=colour, label=when if index == 0 else None)
+        ticks.append(index + 0.25)
+        labels.append(f"{row.arm}\n{row.pool} {row.kind}")
+    evals.set_title("evaluation success before (o) and after (s) training, 95% intervals", fontsize=10)
     evals.set_ylabel("success rate")
     evals.set_ylim(-0.05, 1.05)
     if labels:
-        evals.set_xticks(range(len(labels)), labels, fontsize=6)
+        evals.set_xticks(ticks, labels, fontsize=7)
+        evals.set_xlim(-0.5, len(rows))
+        evals.legend(fontsize=7)
     else:
         evals.text(0.5, 0.5, "no evaluation", transform=evals.transAxes, ha="center", va="center", color="grey")
     return _save(figure, out_dir / "learning.png")

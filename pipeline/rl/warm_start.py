@@ -6,23 +6,25 @@ freshly built policy for `warm_start.steps` AdamW steps (off by default; the tin
 configs start from pretrained models instead):
 
 - **actor: behaviour cloning** from scripted solvers (`TextEnv.expert_action`: MiniHack Room heads for the stairs,
-  Sokoban follows its BFS solution). Data episodes are played partly by the solver and partly at random, so the
-  states are varied; every turn's label is the solver's action at that state, and the prompt is the rollout
-  worker's own (`render_actor_prompt`). A third of the prompts carry the lesson of a play of the same task, a
-  successful one where there is one (informative: it states what that task revealed, which the label agrees with),
-  a third a lesson of another task (irrelevant), a third none, so the actor learns to use an experience when it
-  says something and to ignore it when it does not (`plays_per_task` > 1 makes tasks recur in the data);
+  the dark corridors' solver knows the layout, Sokoban follows its BFS solution). Data episodes are played by the
+  solver, by a solver that knows only what the episode has shown (`TextEnv.uninformed_actions`) or at random, so the
+  states are varied; the prompt is the rollout worker's own (`render_actor_prompt`). A third of the prompts carry
+  an informative lesson (of a play of the same task, stating what that task revealed) and are labelled with the
+  solver's action; a third an irrelevant lesson (one that states nothing revealed) and a third none, labelled with
+  the uninformed solver's action: the actor learns to follow an experience that says where the goal is and to
+  guess where none does (`plays_per_task` > 1 makes tasks recur in the data). `label_noise` replaces a share of
+  the labels with random actions, for a start that is competent but leaves RL room;
 - **extractor: rule-based summaries.** The same data episodes are written up by `summarise` (outcome, length, and
   what the episode revealed, such as where the goal lies relative to the start; the first and most repeated action
   where it revealed nothing) in exactly the answer format the worker parses — `add` when nothing was shown, `refine`
-  of alias 1 when an experience was — and chunks of those lessons by `summarise_merge` (lessons that start with the
-  same word are merged).
+  of alias 1 when an experience was and the episode revealed something, `[]` when it revealed nothing — and chunks
+  of those lessons by `summarise_merge` (lessons that start with the same word are merged).
 
 Everything is seeded, so the same settings give the same weights; the result is cached under
 `warm_start.cache_dir` keyed by a hash of what the samples depend on (the warm-start settings, the tasks, the
-environments' own options, the initial weights and the source of the modules that form the samples; not the run's
-task seed, which the data episodes do not use), and a cache hit
-loads byte-identical weights. The trainer records the warm start's statistics in version 0's checkpoint metadata,
+environments' own options and task pools, the initial weights, the thread count and the source of the modules that
+form the samples; not the run's task seed, which the data episodes do not use), and a cache hit loads
+byte-identical weights. The trainer records the warm start's statistics in version 0's checkpoint metadata,
 and `RunStarted` carries the settings.
 """
 

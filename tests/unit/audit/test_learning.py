@@ -51,6 +51,9 @@ def test_an_archive_gives_outcomes_per_eval_task_and_per_train_group(tmp_path):
     ]
     run = load_outcomes(archived(tmp_path / "a", events))
     assert (run.run_id, run.arm, run.warmup) == ("run-a", "grpo", 1)
+    named = RunStarted(**common("run-b"), config={"scheduler": {"arm": "grpo", "variant": "grpo-frozen"}},
+                       code_version="x")
+    assert load_outcomes(archived(tmp_path / "b", [named])).arm == "grpo-frozen", "a named variant pools apart"
     assert run.evals == {(0, ENV, "t", 100): {True: [True], False: [False]},
                          (0, ENV, "r", 101): {True: [], False: [True]},
                          (2, ENV, "t", 100): {True: [False], False: []}}
