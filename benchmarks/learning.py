@@ -133,6 +133,61 @@ def print_arms(runs: dict[str, list[RunOutcomes]], resamples: int) -> None:
                 print(f"gap_{row.pool}_{arm_name}={row.gap}")
 
 
+def side(text: str) -> str | None:
+    """The side of the stairs a corridor lesson or fact states, if any."""
+    return "east" if " east of the start" in text else "west" if " west of the start" in text else None
+
+
+def corridor_diagnostics(run_dirs: list[Path]) -> None:
+    """What the complementary runs' archives say about their lessons: guided success by what the served lesson
+    states (the corridor's side, the other side, no side, nothing served), at the last evaluation of the recurring
+    corridors and in training after the warm-up; and how often the extractor's adds and refines state the side the
+    episode revealed (`lesson_side_accuracy=`)."""
+    import json
+
+    from pipeline.audit.views import Audit
+    from pipeline.envs.dark_corridor import corridor_of
+
+    served: dict[tuple[str, str], list[bool]] = {}
+    stated = written = 0
+    for run_dir in run_dirs:
+        with Audit(run_dir) as audit:
+            texts = {(e, 1): t for e, t in audit.query("SELECT experience_id, text FROM experience_added")[1]}
+            texts |= {(e, v + 1): t for e, v, t in audit.query(
+                "SELECT experience_id, expected_version, text FROM experience_refined")[1]}
+            last_eval = audit.query("SELECT max(step) FROM trajectories WHERE split = 'eval'")[1][0][0]
+            rows = audit.query("SELECT split, step, group_id, seed, success, retrieved, revealed, trajectory_id "
+                               "FROM trajectory_completed WHERE guided")[1]
+            warmup = json.loads(audit.query("SELECT config FROM run_started")[1][0][0])["actor_trainer"][
+                "warmup_steps"]
+            for split, step, group_id, seed, success, retrieved, _revealed, _tid in rows:
+                if (split == "eval" and (step != last_eval or "-r" not in group_id)) or \
+                        (split == "train" and step < warmup):
+                    continue
+                refs = json.loads(retrieved) if isinstance(retrieved, str) else retrieved
+                truth = "east" if corridor_of(int(seed))[1] > 0 else "west"
+                said = side(texts.get((refs[0]["experience_id"], refs[0]["version"]), "")) if refs else "nothing"
+                kind = "nothing" if said == "nothing" else "none" if said is None else \
+                    "right" if said == truth else "wrong"
+                served.setdefault((split, kind), []).append(bool(success))
+            facts = {t: json.loads(r) if isinstance(r, str) else r for t, r in audit.query(
+                "SELECT trajectory_id, revealed FROM trajectory_completed")[1]}
+            for text, sources in audit.query(
+                    "SELECT text, source_trajectory_ids FROM experience_added UNION ALL "
+                    "SELECT text, source_trajectory_ids FROM experience_refined")[1]:
+                sources = json.loads(sources) if isinstance(sources, str) else sources
+                truth_side = side("; ".join(facts.get(sources[0], []) if sources else []))
+                if truth_side is not None:
+                    written += 1
+                    stated += side(text) == truth_side
+    for (split, kind), outcomes in sorted(served.items()):
+        print(f"served_{kind}_{split}_success={sum(outcomes) / len(outcomes):.3f}  # {sum(outcomes)} of "
+              f"{len(outcomes)} guided episodes")
+    if written:
+        print(f"lesson_side_accuracy={stated / written:.3f}  # {stated} of {written} adds and refines of episodes "
+              "that revealed the side")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
@@ -194,6 +249,7 @@ def main() -> None:
             report("grpo_delta", grpo, lambda e: e.value >= 0.10 and e.low > 0, check)
             report("control_delta", control, lambda e: abs(e.value) < 0.05, check)
         else:
+            corridor_diagnostics([out / name / f"complementary-s{seed}" for seed in range(args.seeds)])
             gap = guided_gap(runs["complementary"], "r", resamples=args.resamples)
             shuffled = guided_gap(runs["shuffled"], "r", resamples=args.resamples)
             if gap is None or shuffled is None:

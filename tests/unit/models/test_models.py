@@ -468,3 +468,16 @@ def test_a_chat_model_is_prompted_through_its_template_and_trained_to_end_its_tu
     generation = policy.generate([policy.prompt_ids("Go east.", "Be brief.")], SamplingParams(max_new_tokens=3),
                                  seed=0)[0]
     assert list(generation.prompt_token_ids) == policy.prompt_ids("Go east.", "Be brief.")
+
+
+def test_a_generating_worker_runs_on_the_threads_it_is_given():
+    from pipeline.models.base import limit_threads
+
+    threads = torch.get_num_threads()
+    try:
+        limit_threads(1)
+        assert torch.get_num_threads() == 1
+        limit_threads(0)  # 0: leave torch's own choice
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.models.checkpoints import weight_hash
 from pipeline.models.settings import TinyModelSettings
@@ -52,3 +54,10 @@ def test_the_cache_key_follows_what_the_samples_depend_on_not_the_runs_task_seed
                            eval_recurring_per_env=5)) == base, \
         "the data episodes draw from the warm start's own seed: a run's task seed does not change them"
     assert key(EnvSettings(invalid_action="end")) != base, "how environments treat invalid actions does"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert key(EnvSettings()) != base, "float sums, so the weights, depend on the thread count"
+    finally:
+        torch.set_num_threads(threads)
+
