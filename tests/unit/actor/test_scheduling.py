@@ -171,4 +171,4 @@ def test_run_config_errors_name_the_problem(tmp_path):
 def test_environment_variables_override_the_run_config(monkeypatch):
     monkeypatch.setenv("CRL_SCHEDULER__STEPS", "3")
     settings = Settings(config=next(p for p in CONFIGS if p.name == "tiny-minihack-room.yaml"))
-    assert settings.scheduler.steps == 3 and settings.actor_trainer.group_size == 4
+    assert settings.scheduler.steps == 3 and settings.actor_trainer.group_size == 8
