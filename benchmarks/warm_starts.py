@@ -1,0 +1,188 @@
+"""What the warm starts leave before any RL: the actor's success on a config's eval pool, by the experience in its
+prompt, and the extractor's answers on held-out episodes.
+
+    python benchmarks/warm_starts.py                                   # configs/tiny-dark-corridor.yaml
+    python benchmarks/warm_starts.py --config configs/tiny-minihack-room.yaml
+    python benchmarks/warm_starts.py --extractor-steps 400 800 1200    # the extractor's warm start at other lengths
+    python benchmarks/warm_starts.py --quick                           # 20 tasks, 32 held-out episodes
+
+Each warm start is the one `crl run CONFIG` computes (the config's settings, its trainers' thread counts, the same
+cache: a cached one loads in a second). The actor plays `--tasks` tasks of the config's eval pool (`envs.eval_seed`,
+else `envs.seed`) with the rollout worker's own player, once per kind of experience in its prompt, and prints
+`actor_success_<kind>=`: `none`; on the dark corridors also `right` (a lesson stating the corridor's side, as a
+success writes it), `wall` (as a failure that walked the other side to its end writes it), `wrong` (the other side)
+and `silent` (a lesson that states nothing). The extractor distils `--held-out` data episodes of the config's tasks,
+drawn with another seed than its warm start's (half shown the lesson of another play of the same task, as in
+training), and prints `extractor_parse_ok=` and `extractor_states_revealed=` (of the parsed lessons of episodes that
+revealed something, the share that state it word for word) for each number of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.actor.episodes import EpisodePlayer
+from pipeline.bank.retrieval import Query, Retrieval, RetrievedExperience
+from pipeline.envs.dark_corridor import corridor_of
+from pipeline.envs.registry import env_spec, task_pool
+from pipeline.models.base import SamplingParams
+from pipeline.rl.training import initial_policy
+from pipeline.settings import Settings
+from schemas.base import Producer
+from schemas.tasks import EpisodeAssigned
+
+CORRIDOR = "MiniHack-DarkCorridor-v0"
+
+
+def lesson(kind: str, seed: int) -> str | None:
+    """A corridor lesson of `kind` for the task of `seed`, worded as the rule-based summariser words them."""
+    if kind == "none":
+        return None
+    _name, offset = corridor_of(seed)
+    side, other = ("east", "west") if offset > 0 else ("west", "east")
+    return {"right": f"Solved in {abs(offset)} actions. staircase down: {abs(offset)} {side} of the start.",
+            "wall": f"Failed after 9 actions (0 invalid). staircase down: {side} of the start (the other end has "
+                    "none).",
+            "wrong": f"Solved in {abs(offset)} actions. staircase down: {abs(offset)} {other} of the start.",
+            "silent": "Failed after 9 actions (1 invalid). Do not repeat north; use listed actions and head for the "
+                      "goal."}[kind]
+
+
+class FixedLessons:
+    """A retriever that serves each task the lesson written for it (the player's `retrieve_many` interface)."""
+
+    def __init__(self, lessons: dict[str, str]) -> None:
+        self.lessons = lessons
+        """Query text -> lesson."""
+
+    def retrieve_many(self, queries: Sequence[Query]) -> list[Retrieval]:
+        found = []
+        for query in queries:
+            text = self.lessons[query.text]
+            found.append(Retrieval((RetrievedExperience("hand-written", 1, "none", text, 1.0),), 0))
+        return found
+
+
+def actor_success(settings: Settings, policy, seeds: Sequence[int], kind: str) -> float:  # type: ignore[no-untyped-def]
+    """Success of the warm-started actor on `seeds`, every episode guided by the `kind` lesson (or free)."""
+    from pipeline.bank.retrieval import query_text
+    from pipeline.envs.registry import make_env
+
+    task = settings.envs.tasks[0]
+    max_turns = task.max_turns or env_spec(task.env_id).max_turns
+    guided = kind != "none"
+    lessons = {}
+    if guided:
+        env = make_env(task.env_id, settings.envs, max_turns=max_turns, split="eval")
+        for seed in seeds:
+            lessons[query_text(*env.reset(seed))] = lesson(kind, seed) or ""
+        env.close()
+    player = EpisodePlayer(settings.rollout, settings.envs, run_id="warm-starts",
+                           producer=Producer(worker="benchmark", instance="warm-starts-0"),
+                           retriever=FixedLessons(lessons) if guided else None,  # type: ignore[arg-type]
+                           seed=settings.rollout.generation.seed)
+    player.policy, player.version = policy, 0
+    assignments = [(EpisodeAssigned(
+        run_id="warm-starts", producer=Producer(worker="benchmark", instance="warm-starts-0"), step=0,
+        split="eval", env_id=task.env_id, task_family=env_spec(task.env_id).task_family, seed=seed,
+        group_id=f"t{index}", slot=0, group_size=1, guided=guided, policy_version=0, max_turns=max_turns),
+        ("benchmark", 0), index) for index, seed in enumerate(seeds)]
+    successes = 0
+    batch = settings.rollout.max_concurrent_episodes
+    for start in range(0, len(assignments), batch):
+        player.start(assignments[start:start + batch])
+        while player.active:
+            successes += sum(t.success for t in player.play_turn())
+    player.close()
+    return successes / len(seeds)
+
+
+def extractor_scores(settings: Settings, steps: int, held_out: int) -> tuple[float, float, float]:
+    """(parse ok, states revealed, seconds) of the extractor warm-started for `steps` steps."""
+    from pipeline.errors import ParseError
+    from pipeline.extractor.protocol import ANSWER_STOP, EXTRACTOR_SYSTEM, distill_prompt, parse_distill
+    from pipeline.rl.update import deterministic_torch
+    from pipeline.rl.warm_start import lesson as rule_lesson
+    from pipeline.rl.warm_start import play_data_episodes, warm_start_extractor
+
+    trainer = settings.extractor_trainer
+    warm = trainer.warm_start.model_copy(update={"steps": steps})
+    deterministic_torch(trainer.threads)  # as the trainer runs it, so the cache entry is the run's
+    started = time.perf_counter()
+    policy, _stats = warm_start_extractor(initial_policy(trainer.model), warm, settings.envs.tasks, settings.envs,
+                                          settings.extractor)
+    seconds = time.perf_counter() - started
+    episodes = play_data_episodes(settings.envs.tasks, settings.envs, held_out, warm.expert_fraction,
+                                  warm.seed + 1_000, warm.plays_per_task)
+    rng = random.Random(0)
+    plays: dict[str, list[int]] = {}
+    for index, episode in enumerate(episodes):
+        plays.setdefault(episode.digest.goal, []).append(index)
+    prompts, shown_all = [], []
+    x = settings.extractor
+    for index, episode in enumerate(episodes):
+        others = [i for i in plays[episode.digest.goal] if i != index]
+        shown = [rule_lesson(episodes[rng.choice(others)].digest, x.max_experience_chars)] \
+            if others and rng.random() < 0.5 else []
+        shown_all.append(shown)
+        prompts.append(policy.prompt_ids(distill_prompt(episode.digest, shown, max_ops=x.max_ops,
+                                                        max_actions=x.max_actions_shown), EXTRACTOR_SYSTEM))
+    generations = policy.generate(prompts, SamplingParams(
+        max_new_tokens=x.generation.max_new_tokens, temperature=x.generation.temperature, stop=(ANSWER_STOP,)),
+        seed=0)
+    parsed = revealing = stated = 0
+    for episode, shown, generation in zip(episodes, shown_all, generations, strict=True):
+        try:
+            ops = parse_distill(generation.text, len(shown), max_ops=x.max_ops, max_chars=x.max_experience_chars)
+        except ParseError:
+            continue
+        parsed += 1
+        if episode.digest.revealed and ops:
+            revealing += 1
+            stated += any("; ".join(episode.digest.revealed) in op.text for op in ops)
+    return parsed / len(episodes), stated / revealing if revealing else float("nan"), seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny-dark-corridor.yaml"))
+    parser.add_argument("--tasks", type=int, default=100, help="Eval-pool tasks the actor plays per kind of lesson.")
+    parser.add_argument("--held-out", type=int, default=96, help="Held-out data episodes the extractor distils.")
+    parser.add_argument("--extractor-steps", type=int, nargs="*", default=None,
+                        help="Warm-start lengths of the extractor to measure (default: the config's).")
+    parser.add_argument("--quick", action="store_true", help="20 tasks, 32 held-out episodes.")
+    args = parser.parse_args()
+    if args.quick:
+        args.tasks, args.held_out = 20, 32
+    from pipeline.rl.update import deterministic_torch
+    from pipeline.rl.warm_start import warm_start_actor
+
+    settings = Settings(config=args.config)
+    task = settings.envs.tasks[0]
+    print(f"config={args.config}")
+    trainer = settings.actor_trainer
+    deterministic_torch(trainer.threads)
+    started = time.perf_counter()
+    actor, _stats = warm_start_actor(initial_policy(trainer.model), trainer.warm_start, settings.envs.tasks,
+                                     settings.envs, settings.rollout.history_turns)
+    print(f"actor_warm_start_s={time.perf_counter() - started:.1f}")
+    eval_seed = settings.envs.seed if settings.envs.eval_seed is None else settings.envs.eval_seed
+    seeds = task_pool(task.env_id, "eval", args.tasks, eval_seed)
+    kinds = ("none", "right", "wall", "wrong", "silent") if task.env_id == CORRIDOR else ("none",)
+    for kind in kinds:
+        print(f"actor_success_{kind}={actor_success(settings, actor, seeds, kind):.3f}  # {args.tasks} tasks")
+    for steps in args.extractor_steps or [settings.extractor_trainer.warm_start.steps]:
+        parse_ok, stated, seconds = extractor_scores(settings, steps, args.held_out)
+        print(f"extractor_parse_ok={parse_ok:.3f}  # {steps} steps ({seconds:.0f}s)")
+        print(f"extractor_states_revealed={stated:.3f}  # {steps} steps")
+
+
+if __name__ == "__main__":
+    main()
