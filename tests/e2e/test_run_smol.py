@@ -1,7 +1,10 @@
 """`crl run configs/smol-minihack-room.yaml` end to end: SmolLM2-135M-Instruct (the converted preset) as actor and
 extractor, prompted through its chat template, LoRA adapters trained by both trainers, every worker a subprocess on
-the embedded broker; then both replays. Two steps: step 0 fills the bank, step 1 is guided and trained. The warm
-starts are cached between runs (~/.cache/complementary-rl/warm-start), as for the tiny config."""
+the embedded broker; then both replays. Three steps: step 0 fills the bank, steps 1 and 2 are guided and trained.
+Step 1's guided episodes start as soon as step 0's episodes free their slots, before the extractor has distilled
+them, so they are served nothing; step 2 is issued after the actor has trained on step 1, and its guided episodes are
+served step 0's lessons. The warm starts are cached between runs (~/.cache/complementary-rl/warm-start), as for the
+tiny config."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def smol_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     env.update({"HF_HUB_OFFLINE": "1", "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "2",
                 "CRL_SCHEDULER__EVAL_EVERY": "0", "CRL_SCHEDULER__MERGE_EVERY": "0",
                 "CRL_EXTRACTOR__GENERATION__MAX_NEW_TOKENS": "64"})
-    result = _crl("run", "configs/smol-minihack-room.yaml", "--steps", "2", "--run-dir", str(run_dir), "--no-report",
+    result = _crl("run", "configs/smol-minihack-room.yaml", "--steps", "3", "--run-dir", str(run_dir), "--no-report",
                   env=env, timeout=2700)
     if result.returncode != 0:
         logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
@@ -53,10 +56,10 @@ def test_smollm2_runs_the_whole_loop(smol_run):
         assert config["actor_trainer"]["model"]["preset"] == "smollm2-135m-instruct"
         assert config["actor_trainer"]["model"]["lora"]["rank"] > 0
         assert one("SELECT status FROM run_finished") == "completed"
-        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 2 * 8
-        assert one("SELECT count(*) FROM trajectories WHERE step = 1 AND guided AND served != '[]'") >= 1
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 3 * 8
+        assert one("SELECT count(*) FROM trajectories WHERE step = 2 AND guided AND served != '[]'") >= 1
         assert one("SELECT count(*) FROM experience_added") >= 1
-        assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 1
+        assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2
         assert one("SELECT count(*) FROM train_steps WHERE role = 'extractor'") >= 1
     # Later versions are LoRA adapters on version 0.
     for role in ("actor", "extractor"):
@@ -70,5 +73,5 @@ def test_both_replays_match(smol_run):
     assert bank.returncode == 0, bank.stdout + bank.stderr
     train = _crl("replay", "train", str(run_dir), env=env, timeout=1800)
     assert train.returncode == 0, train.stdout + train.stderr
-    assert "actor: 1 steps replayed, every weight hash matches" in train.stdout
+    assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
     assert "extractor:" in train.stdout and "every weight hash matches" in train.stdout
