@@ -106,6 +106,21 @@ def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, 
     return records
 
 
+def poll_through_outages(consumer: KafkaConsumer, timeout_ms: int) -> dict[TopicPartition, list[Any]]:
+    """One consumer poll. kafka-python handles most connection losses inside `poll` (it logs them and reconnects),
+    but raises some retriable errors from the work it does there (a connection lost under a position check while
+    the broker restarts); those are logged and answered with no records after the poll's timeout, and the next poll
+    reconnects, so a worker rides through a broker restart either way. Errors that are not retriable are raised."""
+    try:
+        return consumer.poll(timeout_ms=timeout_ms)
+    except KafkaError as exc:
+        if not exc.retriable:
+            raise
+        log.warning("poll failed (%s: %s); polling again", type(exc).__name__, exc)
+        time.sleep(min(timeout_ms, 1000) / 1000)
+        return {}
+
+
 def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Position, int]:
     lag = {}
     for tp in consumer.assignment():
@@ -165,7 +180,7 @@ class KafkaGroupInput:
             return position in self._owned
 
     def poll(self, timeout_ms: int) -> list[Record]:
-        return _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
+        return _records(poll_through_outages(self.consumer, timeout_ms), self.log_ids)
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if not positions:
@@ -235,7 +250,7 @@ class KafkaAssignedInput:
 
     def poll(self, timeout_ms: int) -> list[Record]:
         try:
-            records = _records(self.consumer.poll(timeout_ms=timeout_ms), self.log_ids)
+            records = _records(poll_through_outages(self.consumer, timeout_ms), self.log_ids)
         except OffsetOutOfRangeError as exc:
             raise ConfigError(f"a stored position lies outside the log ({exc}); {_STALE_POSITIONS}") from exc
         if self._unverified:
