@@ -165,6 +165,8 @@ def main() -> None:
     from pipeline.rl.warm_start import warm_start_actor
 
     settings = Settings(config=args.config)
+    if len(settings.envs.tasks) != 1:
+        sys.exit(f"{args.config} mixes {len(settings.envs.tasks)} tasks; this benchmark measures one-task configs")
     task = settings.envs.tasks[0]
     print(f"config={args.config}")
     trainer = settings.actor_trainer
