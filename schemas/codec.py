@@ -117,9 +117,12 @@ def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOA
         raise InvalidEventError(f"{kind}: {describe_validation_error(exc)}") from exc
 
 
+_ENVELOPE_FIELDS = frozenset(Event.ENVELOPE_FIELDS)
+
+
 def _carries_envelope(event: Event) -> bool:
     """Whether the record named every envelope field (validation fills defaults in; the wire may not)."""
-    return event.model_fields_set.issuperset(Event.ENVELOPE_FIELDS)
+    return event.model_fields_set >= _ENVELOPE_FIELDS
 
 
 def encode_for_topic(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Topic, bytes, bytes]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event
@@ -46,7 +46,10 @@ CONTROL_EVENTS: TypeAdapter[Any] = TypeAdapter(ControlEvent)
 TASK_EVENTS: TypeAdapter[Any] = TypeAdapter(TaskEvent)
 TRAJECTORY_EVENTS: TypeAdapter[Any] = TypeAdapter(TrajectoryEvent)
 EXTRACTION_EVENTS: TypeAdapter[Any] = TypeAdapter(ExtractionEvent)
-EXPERIENCE_OPS: TypeAdapter[Any] = TypeAdapter(ExperienceOp)
+# No string cache on the op log: its strings are mostly unique (ids, texts, a 1 KB base64 key per op), so interning
+# them cost more than it saved (validate_json 9.4 vs 10.6 us of CPU per ExperienceAdded record of bank_replay's log).
+# Speed only: the cache never changes what validates or the values made.
+EXPERIENCE_OPS: TypeAdapter[Any] = TypeAdapter(ExperienceOp, config=ConfigDict(cache_strings=False))
 POLICY_EVENTS: TypeAdapter[Any] = TypeAdapter(PolicyEvent)
 TRAIN_STEP_EVENTS: TypeAdapter[Any] = TypeAdapter(TrainStepEvent)
 BANK_SNAPSHOT_EVENTS: TypeAdapter[Any] = TypeAdapter(BankSnapshotEvent)

@@ -31,14 +31,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from pipeline.errors import HashMismatchError, InvalidArgumentError
-from schemas.arrays import EmbeddingVector
+from schemas.arrays import EmbeddingVector, PackedFloats
 from schemas.codec import decode
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 from schemas.topics import EXPERIENCE_OPS_TOPIC
@@ -121,6 +121,9 @@ class Experience:
 
 
 def _frozen_key(key: EmbeddingVector) -> np.ndarray:
+    data: object = key.data
+    if type(data) is PackedFloats and data.dtype == "<f2":  # a decoded op: a read-only view of its bytes
+        return np.frombuffer(data.packed, dtype="<f2")
     vector = key.float16()
     if vector.flags.writeable:  # a view of the event's bytes is read-only already
         vector = vector.copy()
@@ -148,26 +151,31 @@ class BankState:
 
     def apply(self, op: ExperienceOp, offset: int) -> Outcome:
         """Apply `op`, read at `offset` of the op log."""
-        self.next_offset = max(self.next_offset, offset + 1)
+        if offset >= self.next_offset:
+            self.next_offset = offset + 1
         if self.run_id is not None and op.run_id != self.run_id:
             self.rejected += 1
             return Rejected(op.op_id, f"op of run {op.run_id}, but this bank belongs to run {self.run_id}")
-        if op.op_id in self.seen_op_ids:
+        op_id = op.op_id
+        if op_id in self.seen_op_ids:
             self.duplicates += 1
-            return Duplicate(op.op_id)
-        self.seen_op_ids.add(op.op_id)
-        reason = self._check(op)
+            return Duplicate(op_id)
+        self.seen_op_ids.add(op_id)
+        # One look-up by the op's class instead of chains of isinstance checks (up to 7 per op, each through
+        # pydantic's ABCMeta); a subclass of an op kind falls back to the checks (`_kind_of`).
+        check, change = _BY_KIND.get(type(op)) or _kind_of(op)
+        reason = check(self, op)
         if reason is not None:
             self.rejected += 1
-            return Rejected(op.op_id, reason)
-        touched = self._change(op, offset)
+            return Rejected(op_id, reason)
+        touched = change(self, op, offset)
         self.applied += 1
-        return Applied(op.op_id, touched)
+        return Applied(op_id, touched)
 
     def _check_key(self, key: EmbeddingVector | None) -> str | None:
         if key is None or self.key_model is None:
             return None
-        if (key.model, key.dim) != (self.key_model, self.key_dim):
+        if key.model != self.key_model or key.dim != self.key_dim:
             return (f"key from {key.model} ({key.dim}-d), but the bank's keys come from {self.key_model}"
                     f" ({self.key_dim}-d)")
         return None
@@ -176,7 +184,7 @@ class BankState:
         experience = self.experiences.get(experience_id)
         if experience is None:
             return f"unknown experience {experience_id}"
-        if not experience.active:
+        if experience.status != "active":
             into = f", merged into {experience.merged_into}" if experience.merged_into else ""
             return f"experience {experience_id} is retired ({experience.retired_reason}{into})"
         if experience.version != expected_version:
@@ -186,24 +194,31 @@ class BankState:
 
     def _check(self, op: ExperienceOp) -> str | None:
         """Why `op` cannot be applied, or None."""
-        if isinstance(op, ExperienceAdded):
-            if op.experience_id in self.experiences:
-                return f"experience {op.experience_id} already exists"
-            return self._check_key(op.key)
-        if isinstance(op, ExperienceRefined):
-            return self._check_target(op.experience_id, op.expected_version) or self._check_key(op.key)
-        if isinstance(op, ExperienceMerged):
-            if op.experience_id in self.experiences:
-                return f"experience {op.experience_id} already exists"
-            for source in op.sources:
-                reason = self._check_target(source.experience_id, source.expected_version)
-                if reason is not None:
-                    return f"merge source: {reason}"
-                family = self.experiences[source.experience_id].task_family
-                if family != op.task_family:
-                    return (f"merge source {source.experience_id} belongs to task family {family},"
-                            f" not {op.task_family}")
-            return self._check_key(op.key)
+        check, _ = _BY_KIND.get(type(op)) or _kind_of(op)
+        return check(self, op)
+
+    def _check_added(self, op: ExperienceAdded) -> str | None:
+        if op.experience_id in self.experiences:
+            return f"experience {op.experience_id} already exists"
+        return self._check_key(op.key)
+
+    def _check_refined(self, op: ExperienceRefined) -> str | None:
+        return self._check_target(op.experience_id, op.expected_version) or self._check_key(op.key)
+
+    def _check_merged(self, op: ExperienceMerged) -> str | None:
+        if op.experience_id in self.experiences:
+            return f"experience {op.experience_id} already exists"
+        for source in op.sources:
+            reason = self._check_target(source.experience_id, source.expected_version)
+            if reason is not None:
+                return f"merge source: {reason}"
+            family = self.experiences[source.experience_id].task_family
+            if family != op.task_family:
+                return (f"merge source {source.experience_id} belongs to task family {family},"
+                        f" not {op.task_family}")
+        return self._check_key(op.key)
+
+    def _check_retired(self, op: ExperienceRetired) -> str | None:
         return self._check_target(op.experience_id, op.expected_version)
 
     def _remember_key_space(self, key: EmbeddingVector) -> None:
@@ -211,46 +226,59 @@ class BankState:
             self.key_model, self.key_dim = key.model, key.dim
 
     def _change(self, op: ExperienceOp, offset: int) -> tuple[str, ...]:
-        if isinstance(op, ExperienceAdded | ExperienceMerged):
+        _, change = _BY_KIND.get(type(op)) or _kind_of(op)
+        return change(self, op, offset)
+
+    def _create(self, op: ExperienceAdded | ExperienceMerged, offset: int, parents: tuple[str, ...],
+                sources: tuple[str, ...]) -> None:
+        if self.key_model is None:
             self._remember_key_space(op.key)
-            parents = tuple(s.experience_id for s in op.sources) if isinstance(op, ExperienceMerged) else ()
-            sources = op.source_trajectory_ids if isinstance(op, ExperienceAdded) else ()
-            created = Experience(
-                experience_id=op.experience_id,
-                task_family=op.task_family,
-                text=op.text,
-                key=_frozen_key(op.key),
-                version=1,
-                status="active",
-                generation_id=op.generation_id,
-                extractor_version=op.extractor_version,
-                source_trajectory_ids=sources,
-                parents=parents,
-                op_offsets=[offset],
-                history=[ExperienceVersion(1, op.text, op.op_id, op.kind, offset, op.generation_id,
-                                           op.extractor_version, sources)],
-            )
-            self.experiences[op.experience_id] = created
-            for parent in parents:
-                self._retire(parent, "merged", offset, merged_into=op.experience_id)
-            return (op.experience_id, *parents)
-        if isinstance(op, ExperienceRefined):
-            experience = self.experiences[op.experience_id]
-            experience.version += 1
-            experience.text = op.text
-            if op.key is not None:
-                self._remember_key_space(op.key)
-                experience.key = _frozen_key(op.key)
-            experience.generation_id = op.generation_id
-            experience.extractor_version = op.extractor_version
-            experience.source_trajectory_ids = tuple(
-                dict.fromkeys(experience.source_trajectory_ids + op.source_trajectory_ids)
-            )
-            experience.op_offsets.append(offset)
-            experience.history.append(ExperienceVersion(experience.version, op.text, op.op_id, op.kind, offset,
-                                                        op.generation_id, op.extractor_version,
-                                                        op.source_trajectory_ids))
-            return (op.experience_id,)
+        self.experiences[op.experience_id] = Experience(
+            experience_id=op.experience_id,
+            task_family=op.task_family,
+            text=op.text,
+            key=_frozen_key(op.key),
+            version=1,
+            status="active",
+            generation_id=op.generation_id,
+            extractor_version=op.extractor_version,
+            source_trajectory_ids=sources,
+            parents=parents,
+            op_offsets=[offset],
+            history=[ExperienceVersion(1, op.text, op.op_id, op.kind, offset, op.generation_id,
+                                       op.extractor_version, sources)],
+        )
+
+    def _change_added(self, op: ExperienceAdded, offset: int) -> tuple[str, ...]:
+        self._create(op, offset, (), op.source_trajectory_ids)
+        return (op.experience_id,)
+
+    def _change_merged(self, op: ExperienceMerged, offset: int) -> tuple[str, ...]:
+        parents = tuple(s.experience_id for s in op.sources)
+        self._create(op, offset, parents, ())
+        for parent in parents:
+            self._retire(parent, "merged", offset, merged_into=op.experience_id)
+        return (op.experience_id, *parents)
+
+    def _change_refined(self, op: ExperienceRefined, offset: int) -> tuple[str, ...]:
+        experience = self.experiences[op.experience_id]
+        experience.version += 1
+        experience.text = op.text
+        if op.key is not None:
+            self._remember_key_space(op.key)
+            experience.key = _frozen_key(op.key)
+        experience.generation_id = op.generation_id
+        experience.extractor_version = op.extractor_version
+        experience.source_trajectory_ids = tuple(
+            dict.fromkeys(experience.source_trajectory_ids + op.source_trajectory_ids)
+        )
+        experience.op_offsets.append(offset)
+        experience.history.append(ExperienceVersion(experience.version, op.text, op.op_id, op.kind, offset,
+                                                    op.generation_id, op.extractor_version,
+                                                    op.source_trajectory_ids))
+        return (op.experience_id,)
+
+    def _change_retired(self, op: ExperienceRetired, offset: int) -> tuple[str, ...]:
         self._retire(op.experience_id, op.reason, offset)
         return (op.experience_id,)
 
@@ -353,3 +381,23 @@ class BankState:
             "active": sum(1 for e in self.experiences.values() if e.active),
             "state_hash": self.state_hash(),
         }
+
+
+_Check = Callable[[BankState, Any], "str | None"]
+_Change = Callable[[BankState, Any, int], tuple[str, ...]]
+
+_BY_KIND: dict[type, tuple[_Check, _Change]] = {
+    ExperienceAdded: (BankState._check_added, BankState._change_added),
+    ExperienceRefined: (BankState._check_refined, BankState._change_refined),
+    ExperienceMerged: (BankState._check_merged, BankState._change_merged),
+    ExperienceRetired: (BankState._check_retired, BankState._change_retired),
+}
+"""How `BankState.apply` checks and changes the state for each op kind."""
+
+
+def _kind_of(op: ExperienceOp) -> tuple[_Check, _Change]:
+    """The handlers for an instance of a subclass of an op kind (not in `_BY_KIND` by its own class)."""
+    for kind, handlers in _BY_KIND.items():
+        if isinstance(op, kind):
+            return handlers
+    raise TypeError(f"not an experience op: {type(op).__name__}")
