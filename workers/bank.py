@@ -77,6 +77,7 @@ class BankProjection(Worker):
         self.snapshots = snapshots_root(context.run_dir)
         self.snapshot_every = context.settings.bank.snapshot_every
         self.exact_threshold = context.settings.bank.exact_threshold
+        self.hnsw = context.settings.bank.hnsw_options()
         self.run_id = context.settings.resolved_run_id
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.state = BankState(self.run_id)
@@ -142,7 +143,8 @@ class BankProjection(Worker):
         if self.since_snapshot < self.snapshot_every:
             return ()
         self.since_snapshot = 0
-        path, manifest = write_snapshot(self.snapshots, self.state, self.log_id, self.exact_threshold)
+        path, manifest = write_snapshot(self.snapshots, self.state, self.log_id, self.exact_threshold,
+                                        self.hnsw)
         return [BankSnapshotWritten(
             run_id=self.run_id, producer=self.producer, next_offset=manifest.next_offset,
             state_hash=manifest.state_hash, uri=path.resolve().as_uri(),

@@ -125,7 +125,7 @@ class Extractor(Worker):
         self.follower.start()
         self.replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
                                    settings.run_dir, settings.bank.exact_threshold,
-                                   run_id=settings.resolved_run_id).start()
+                                   run_id=settings.resolved_run_id, hnsw=settings.bank.hnsw_options()).start()
         self.encoder = load_sentence_encoder(self.embedding_model)
 
     def handle(self, event: Event, origin: Origin) -> list[Event]:
@@ -178,7 +178,7 @@ class Extractor(Worker):
             return
         policy = self.follower.load(newer, self.generation.backend, self.generation.device,
                                     micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
-                                    keeping=self.version, current=self.policy)
+                                    keeping=self.version, current=self.policy, precision=self.generation.precision)
         if policy is not None:
             self.policy, self.version = policy, newer.version
 

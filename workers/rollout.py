@@ -159,7 +159,8 @@ class Rollout(Worker):
 
         settings = self.context.settings
         replica = BankReplica(self.context.follow, self.context.log.log_id(EXPERIENCE_OPS_TOPIC),
-                              settings.run_dir, settings.bank.exact_threshold, run_id=settings.resolved_run_id).start()
+                              settings.run_dir, settings.bank.exact_threshold, run_id=settings.resolved_run_id,
+                              hnsw=settings.bank.hnsw_options()).start()
         self._replica = replica
         if not replica.wait_caught_up(self.settings.replica_wait_s):
             log.warning("bank replica not caught up after %.1fs; serving from offset %d (recorded per episode)",

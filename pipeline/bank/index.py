@@ -20,8 +20,16 @@ vectors:
 
 Determinism: vectors are normalised to float32 on the way in; ties are broken by the smaller integer key, i.e. by
 insertion order; each graph is only ever grown by one thread (`threads=1`), in key order (`build` grows the graphs of
-different families side by side, one thread each). Building twice from the same items in the same order gives
-byte-identical files (a USearch graph grown by several threads at once does not).
+different families side by side, one thread each). Building twice from the same items in the same order, with the
+same settings, gives byte-identical files (a USearch graph grown by several threads at once does not).
+
+Graph settings (`BankSettings.hnsw_*`, CRL_BANK__HNSW_*): connectivity and expansion_add shape the graph (build time,
+file size, recall); expansion_search is a search-time knob only: USearch does not store it in the graph file, and
+`set_expansion_search` changes it in place. The manifest records all three; a manifest without them was written with
+the old fixed values (`LEGACY_HNSW`: 16, 128, 64) and loads with those. `load` restores what the files say and
+checks the graph files against the manifest; whether that matches the configuration is the caller's decision
+(`mismatches`): `LocalBank` rebuilds an index whose structure differs from its settings, and adopts the configured
+expansion_search otherwise (docs/bank.md#index).
 
 USearch keys are integers: each family hands out increasing integers on add and never reuses one in the life of the
 object (a re-added id gets a new key); the id <-> key maps are saved in the manifest. USearch refuses a duplicate
@@ -53,6 +61,13 @@ GRAPH_DTYPES = ("i8", "f16", "bf16", "f32")
 """USearch scalar kinds a graph may store its vectors in."""
 _COMPACT_MIN_DEAD = 64
 """Dead rows an HNSW family's matrix keeps before it is compacted (and only once they outnumber the live ones)."""
+DEFAULT_CONNECTIVITY = 16
+DEFAULT_EXPANSION_ADD = 128
+DEFAULT_EXPANSION_SEARCH = 128
+"""The graph settings of a new index, as `BankSettings`' (expansion_search was 64: recall_at_10 0.87 at 100k
+embedding-like vectors, where 128 reaches 0.96; benchmarks/retrieval.py)."""
+LEGACY_HNSW = {"connectivity": 16, "expansion_add": 128, "expansion_search": 64}
+"""What an index manifest that does not name a graph setting was built and searched with."""
 
 
 class HnswOptions(TypedDict, total=False):
@@ -199,14 +214,17 @@ def _top_k(scores: np.ndarray, keys: np.ndarray, k: int) -> np.ndarray:
 class ExperienceIndex:
     """Per-family cosine search over experience key vectors (exact below `exact_threshold`, HNSW at or above)."""
 
-    def __init__(self, dim: int, exact_threshold: int = 10_000, *, connectivity: int = 16,
-                 expansion_add: int = 128, expansion_search: int = 64, graph_dtype: str = "i8") -> None:
+    def __init__(self, dim: int, exact_threshold: int = 10_000, *, connectivity: int = DEFAULT_CONNECTIVITY,
+                 expansion_add: int = DEFAULT_EXPANSION_ADD, expansion_search: int = DEFAULT_EXPANSION_SEARCH,
+                 graph_dtype: str = "i8") -> None:
         """
         dim: length of every key vector (384 for all-MiniLM-L6-v2).
         exact_threshold: a family with this many active vectors or more is searched through HNSW, else exactly.
         connectivity: HNSW graph degree (USearch's M); more is better recall, bigger files, slower adds.
         expansion_add: candidate list size while inserting (efConstruction); 128 -> 32 traded recall for ~3x adds.
-        expansion_search: candidate list size while searching (ef); raised to k when k is larger.
+        expansion_search: candidate list size while searching (ef); USearch raises it to the candidates asked for
+            (twice k) when that is larger. Not part of the graph: `set_expansion_search` changes it in place.
+        The defaults are `BankSettings`' (CRL_BANK__HNSW_*); benchmarks/retrieval.py measures them at 100k vectors.
         graph_dtype: how the graph stores vectors. "i8" (the default) made single-query searches ~30% faster and adds
             ~50% faster than "f16" at 100k vectors on the 2-core machine, at the same recall: the graph only
             proposes candidates, which are re-scored against the float32 vectors. Files record it; `load` honours it.
@@ -412,6 +430,40 @@ class ExperienceIndex:
         """Family -> "exact" | "hnsw", for every family ever added to (an emptied family stays, as "exact")."""
         return {name: "exact" if family.graph is None else "hnsw" for name, family in sorted(self._families.items())}
 
+    # ----------------------------------------------------------------------------------------------- settings
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """exact_threshold and the graph settings, as `build` takes them (graph_dtype included)."""
+        return {"exact_threshold": self.exact_threshold, "connectivity": self.connectivity,
+                "expansion_add": self.expansion_add, "expansion_search": self.expansion_search,
+                "graph_dtype": self.graph_dtype}
+
+    def mismatches(self, exact_threshold: int, **hnsw: Unpack[HnswOptions]) -> dict[str, tuple[Any, Any]]:
+        """The settings in which this index is not what `build(items, dim, exact_threshold, **hnsw)` would make:
+        name -> (this index's value, the given one); {} when it is.
+
+        Only what shapes the structure counts: exact_threshold (which families have a graph), connectivity and
+        expansion_add (how each graph was grown) and graph_dtype when given. expansion_search is not in the graph
+        (USearch files are byte-identical whatever it was), so it never counts: `set_expansion_search` adopts it.
+        """
+        wanted: dict[str, Any] = {"exact_threshold": exact_threshold, "connectivity": hnsw.get("connectivity"),
+                                  "expansion_add": hnsw.get("expansion_add"), "graph_dtype": hnsw.get("graph_dtype")}
+        current = self.settings
+        return {name: (current[name], value) for name, value in wanted.items()
+                if value is not None and value != current[name]}
+
+    def set_expansion_search(self, expansion_search: int) -> None:
+        """Search every graph, present and future, with this candidate list size (no rebuild: it is a search knob)."""
+        if (not isinstance(expansion_search, int | np.integer) or isinstance(expansion_search, bool)
+                or expansion_search < 1):
+            raise InvalidArgumentError(f"expansion_search must be an integer >= 1, got {expansion_search!r}")
+        self.expansion_search = int(expansion_search)
+        for family in self._families.values():
+            if family.graph is not None:
+                # USearch declares this setter after another property's, which mypy reads as no setter at all.
+                family.graph.expansion_search = self.expansion_search  # type: ignore[misc]
+
     # ----------------------------------------------------------------------------------------------- files
 
     def save(self, directory: Path) -> None:
@@ -450,15 +502,19 @@ class ExperienceIndex:
 
     @classmethod
     def load(cls, directory: Path) -> ExperienceIndex:
-        """The index saved in `directory`; ValueError if its files disagree with the manifest."""
+        """The index saved in `directory`, with the settings its manifest names; ValueError if its files disagree with
+        the manifest. It is not checked against any configuration here: see `mismatches` (a `LocalBank` given a
+        loaded index rebuilds it when they differ)."""
         directory = Path(directory)
         manifest = json.loads((directory / MANIFEST).read_text())
         if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
             raise InvalidArgumentError(f"{directory} holds no {FORMAT} v{FORMAT_VERSION} manifest")
-        hnsw = manifest["hnsw"]
-        index = cls(manifest["dim"], manifest["exact_threshold"], connectivity=hnsw["connectivity"],
-                    expansion_add=hnsw["expansion_add"], expansion_search=hnsw["expansion_search"],
-                    graph_dtype=hnsw.get("dtype", "f16"))  # files written before i8 hold f16 graphs
+        hnsw = manifest.get("hnsw", {})
+        # A manifest that does not name a setting was written with the old fixed values (LEGACY_HNSW), and files
+        # written before i8 hold f16 graphs.
+        index = cls(manifest["dim"], manifest["exact_threshold"],
+                    **{name: hnsw.get(name, value) for name, value in LEGACY_HNSW.items()},
+                    graph_dtype=hnsw.get("dtype", "f16"))
         for name, saved in manifest["families"].items():
             vectors = np.load(directory / saved["vectors"], allow_pickle=False)
             entries = saved["entries"]
@@ -480,5 +536,8 @@ class ExperienceIndex:
                 if len(graph) != family.active:
                     raise InvalidArgumentError(f"{directory / saved['graph']} holds {len(graph)} vectors, the manifest "
                                      f"{family.active}")
+                if graph.connectivity != index.connectivity:  # the file's header wins over the constructor's value
+                    raise InvalidArgumentError(f"{directory / saved['graph']} was built with connectivity "
+                                               f"{graph.connectivity}, the manifest says {index.connectivity}")
                 family.graph = graph
         return index

@@ -26,7 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.bank.index import ExperienceIndex
+from pipeline.bank.index import (
+    DEFAULT_CONNECTIVITY,
+    DEFAULT_EXPANSION_ADD,
+    DEFAULT_EXPANSION_SEARCH,
+    ExperienceIndex,
+    HnswOptions,
+)
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
 from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome, decode_op
 from pipeline.errors import InvalidStateError
@@ -91,16 +97,35 @@ class LocalBank:
     """The bank state and its index in one process, guarded by a readers/writer lock."""
 
     def __init__(self, state: BankState | None = None, exact_threshold: int = 10_000,
-                 index: ExperienceIndex | None = None) -> None:
-        """`index`, when given, must hold exactly the active experiences of `state` (a snapshot's index)."""
+                 index: ExperienceIndex | None = None, hnsw: HnswOptions | None = None) -> None:
+        """`index`, when given, must hold exactly the active experiences of `state` (a snapshot's index).
+
+        `hnsw`: the graph settings (`BankSettings.hnsw_options()`; a setting left out takes `ExperienceIndex`'s
+        default). A given index built with other settings than these is not used: it is rebuilt from `state` (logged
+        as a warning; the index is derived state, and a graph grown with another connectivity or expansion_add cannot
+        be changed in place), so a replica always searches with what it is configured with. This costs a graph
+        build (~40 s per 100k vectors of a family on a 2-core machine) once, when the settings changed between
+        the snapshot and the start. A differing expansion_search alone is adopted without a rebuild.
+        """
         self.state = state if state is not None else BankState()
         self.exact_threshold = exact_threshold
+        self.hnsw: HnswOptions = {"connectivity": DEFAULT_CONNECTIVITY, "expansion_add": DEFAULT_EXPANSION_ADD,
+                                  "expansion_search": DEFAULT_EXPANSION_SEARCH, **(hnsw or {})}
         self.lock = ReadWriteLock()
+        if index is not None:
+            differ = index.mismatches(exact_threshold, **self.hnsw)
+            if differ:
+                log.warning("the given index was built with %s; configured: %s. Rebuilding it from the bank state",
+                            ", ".join(f"{name}={was}" for name, (was, _) in differ.items()),
+                            ", ".join(f"{name}={wanted}" for name, (_, wanted) in differ.items()))
+                index = None
+            else:
+                index.set_expansion_search(self.hnsw["expansion_search"])
         self.index = index
         if self.index is None and self.state.key_dim is not None:
             self.index = ExperienceIndex.build(
                 ((e.experience_id, e.task_family, e.key) for e in self.state.active()),
-                dim=self.state.key_dim, exact_threshold=exact_threshold,
+                dim=self.state.key_dim, exact_threshold=exact_threshold, **self.hnsw,
             )
 
     def apply(self, op: ExperienceOp, offset: int) -> Outcome:
@@ -110,7 +135,7 @@ class LocalBank:
             outcome = self.state.apply(op, offset)
             if isinstance(outcome, Applied):
                 if self.index is None and self.state.key_dim is not None:
-                    self.index = ExperienceIndex(self.state.key_dim, self.exact_threshold)
+                    self.index = ExperienceIndex(self.state.key_dim, self.exact_threshold, **self.hnsw)
                 for experience_id in outcome.touched:
                     self._reindex(self.state.experiences[experience_id])
             return outcome
@@ -182,7 +207,9 @@ class BankReplica(LocalBank, FollowedView):
     """A `LocalBank` that follows `crl.experience-ops` from the newest snapshot of log `log_id`."""
 
     def __init__(self, follow: Follow, log_id: str, run_dir: Path | None = None, exact_threshold: int = 10_000,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, hnsw: HnswOptions | None = None) -> None:
+        """`exact_threshold` and `hnsw` as for `LocalBank`: a snapshot whose index was built with other settings is
+        restored, and its index rebuilt from the snapshot's state."""
         self.log_id = log_id
         self.run_dir = run_dir
         self.skipped = 0
@@ -194,7 +221,7 @@ class BankReplica(LocalBank, FollowedView):
             snapshot, state = restored
             index = read_index(snapshot)  # saved with the state: no rebuild of a large HNSW graph
             log.info("replica starts from snapshot %s", snapshot.name)
-        super().__init__(state if state is not None else BankState(run_id), exact_threshold, index)
+        super().__init__(state if state is not None else BankState(run_id), exact_threshold, index, hnsw)
         self.follower: Follower = follow([EXPERIENCE_OPS_TOPIC], self._on_record,
                                          start={(EXPERIENCE_OPS_TOPIC.name, 0): self.state.next_offset},
                                          name="bank-replica")

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # the index imports usearch; settings load without it
+    from pipeline.bank.index import HnswOptions
 
 
 class BankSettings(BaseModel):
@@ -18,6 +21,28 @@ class BankSettings(BaseModel):
         default=10_000, gt=0,
         description="Families smaller than this are searched exactly (numpy); larger ones through USearch HNSW.",
     )
+    hnsw_connectivity: int = Field(
+        default=16, ge=2, le=256,
+        description="HNSW graph degree (USearch's M): more is better recall at the same expansion_search, bigger "
+        "files and slower graph builds (a bank replay or a snapshot builds the graph). Stored in the graph file: a "
+        "snapshot index built with another value is rebuilt from the snapshot's state when a replica loads it.",
+    )
+    hnsw_expansion_add: int = Field(
+        default=128, ge=1, le=4096,
+        description="HNSW candidate list size while inserting (efConstruction): more is better graphs and slower "
+        "builds. A snapshot index built with another value is rebuilt when a replica loads it.",
+    )
+    hnsw_expansion_search: int = Field(
+        default=128, ge=1, le=4096,
+        description="HNSW candidate list size while searching (ef; raised to twice k when that is larger): more is "
+        "better recall and slower searches; it costs nothing at build time and is not in the graph file, so a "
+        "loaded snapshot index simply takes the configured value.",
+    )
+
+    def hnsw_options(self) -> HnswOptions:
+        """The graph settings as `ExperienceIndex`, `LocalBank`, `BankReplica` and `write_snapshot` take them."""
+        return {"connectivity": self.hnsw_connectivity, "expansion_add": self.hnsw_expansion_add,
+                "expansion_search": self.hnsw_expansion_search}
 
 
 class EmbeddingSettings(BaseModel):

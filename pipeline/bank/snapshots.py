@@ -19,7 +19,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.bank.index import ExperienceIndex
+from pipeline.bank.index import ExperienceIndex, HnswOptions
 from pipeline.bank.state import BankState
 from pipeline.errors import SnapshotError
 from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file
@@ -50,9 +50,10 @@ def _fsync_tree(directory: Path) -> None:
         fsync_directory(folder)
 
 
-def write_snapshot(root: Path, state: BankState, log_id: str,
-                   exact_threshold: int = 10_000) -> tuple[Path, SnapshotManifest]:
-    """Write `state` (and an index of its active experiences) as the snapshot at `state.next_offset`."""
+def write_snapshot(root: Path, state: BankState, log_id: str, exact_threshold: int = 10_000,
+                   hnsw: HnswOptions | None = None) -> tuple[Path, SnapshotManifest]:
+    """Write `state` (and an index of its active experiences, built with `exact_threshold` and the graph settings
+    `hnsw`, which its manifest records) as the snapshot at `state.next_offset`."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{state.next_offset:012d}"
     temporary = root / f".{final.name}.{os.getpid()}.tmp"
@@ -63,7 +64,8 @@ def write_snapshot(root: Path, state: BankState, log_id: str,
     (temporary / "index").mkdir()
     if state.key_dim is not None:
         items = [(e.experience_id, e.task_family, e.key) for e in state.active()]
-        ExperienceIndex.build(items, dim=state.key_dim, exact_threshold=exact_threshold).save(temporary / "index")
+        ExperienceIndex.build(items, dim=state.key_dim, exact_threshold=exact_threshold,
+                              **(hnsw or {})).save(temporary / "index")
     files = {str(path.relative_to(temporary)): file_sha256(path)
              for path in sorted(temporary.rglob("*")) if path.is_file()}
     manifest = SnapshotManifest(
