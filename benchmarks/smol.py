@@ -1,26 +1,47 @@
-"""SmolLM2-135M-Instruct on this CPU: generation throughput on real chat-formatted actor prompts, and one GRPO step
-with full fine-tuning against one with LoRA, side by side in one run (each mode in its own process, so its peak
-memory is its own).
+"""SmolLM2-135M-Instruct on this CPU, before and after in one run: generation, the update, the loop, against the
+machine's own limits measured by a probe in the same run.
 
-    .venv/bin/python benchmarks/smol.py --quick    # 4 prompts, 1 timed step per mode after a warm-up step (~3 min)
-    .venv/bin/python benchmarks/smol.py            # 8 prompts, 2 timed steps per mode
+    .venv/bin/python benchmarks/smol.py --quick    # 4 update prompts, 1 timed step per mode, one loop run (~15 min)
+    .venv/bin/python benchmarks/smol.py            # 8 update prompts, 2 timed steps, the loop before and after too
 
-The prompts are what the rollout worker sends: MiniHack Room observations through `render_actor_prompt`, given as
-the user message of SmolLM2's chat template after `ACTOR_SYSTEM` (`PolicyModel.prompt_ids`). The step is
-`pipeline.rl.training.TrainerStep.run` exactly as the actor trainer runs it (deterministic CPU mode, the trainer's
-micro-batch, AdamW, grad clip) on samples made of those prompts, the sampled responses and their recorded log-probs.
-Prints `name=value` lines:
-- `gen_new_tokens_per_s`, `gen_prompt_tokens_per_s`, `gen_s`, `prompt_tokens_mean`: one batched generation;
-- `step_tokens_per_s_full`, `step_tokens_per_s_lora`, `step_s_full`, `step_s_lora`: prompt + response tokens through
-  the model per second of an update;
-- `peak_rss_mb_full`, `peak_rss_mb_lora`: the process's peak resident memory (model load, generation, our steps;
-  taken before TRL's step runs in the same process);
-- `lora_speedup` (full step time / LoRA step time) and `lora_memory_ratio` (LoRA peak / full peak);
-- `trainable_params_full`, `trainable_params_lora`, `threads`;
-- `trl_step_s_full`: the same full fine-tuning step on the same model and samples computed by TRL's `GRPOTrainer`
-  (its forward and its GRPO loss, one pass over the whole batch), then the same clipping and AdamW; and
-  `ours_over_trl_step_time` (our step time / TRL's: below 1 means ours is faster), or `unavailable` with the reason
-  when TRL is not installed (`pip install -e ".[trl]"`) or its internals moved.
+Each measurement runs in its own process (its peak memory is its own), on `--threads` threads (2):
+- `probe`: the machine. `mem_read_gb_per_s` (summing a 1 GiB float32 tensor), `matmul_gflops_fp32` and
+  `matmul_gflops_bf16` (a (512, 576) x (576, 1536) matmul: SmolLM2's hidden and MLP widths). From them, with the model's
+  134.5M parameters N: `gen_new_tokens_per_s_bound` (a batch-8 decode step reads the bf16 weights once: 8 x read rate /
+  2N bytes), `gen_prompt_tokens_per_s_bound` (prefill: bf16 rate / 2N FLOPs a token) and
+  `step_tokens_per_s_lora_bound` (a LoRA update: forward 2N + backward through the activations 2N, no weight
+  gradients for frozen layers: bf16 rate / 4N). Attention is left out of the bounds (short prompts), so they are
+  a little high. Each figure below is printed with `_share` of its bound.
+- `before`: the code as it ran before bfloat16 and sessions, measured again: float32 weights for generation and
+  updates, every turn's prompt prefilled whole.
+- `after`: the defaults of the SmolLM2 configs: generation from a bfloat16 copy (`generation.precision`), updates
+  under bfloat16 autocast on float32 weights (`model.precision`), turns of an episode continuing their session.
+
+Generation, for both: 8 real chat-formatted MiniHack Room actor prompts (`render_actor_prompt` under `ACTOR_SYSTEM`,
+~130 tokens) in one batch. `gen_prompt_tokens_per_s`: prompt tokens over the time of a generation of one token (the
+prefill); `gen_new_tokens_per_s`: tokens generated over the time of a 32-token generation less that prefill (rows
+that end early still count as rows of the batch). `turn_prompt_tokens_run_share`: of a second turn's prompt tokens
+(the first turn's prompt, its response, a new observation), the share that still runs through the model.
+
+Updates: `pipeline.rl.training.TrainerStep.run` as the actor trainer runs it (deterministic CPU mode, micro-batch 4,
+AdamW, grad clip) on samples of update prompts and their sampled 16-token responses; `step_tokens_per_s_*` counts
+prompt + response tokens per second (best of the timed steps after one warm-up step). Modes: `full` (float32, full
+fine-tuning, TRL's step beside it), `lora` (float32, LoRA rank 8: the before) and `lora_bf16` (the after).
+
+`logprob_mismatch`: the after's recorded sampling log-probs (bfloat16 generation copy) against the trainer's
+recomputation of the same tokens (float32 weights under bfloat16 autocast), mean absolute difference per token;
+`logprob_mismatch_kl`: KL(rollout || trainer) of the two next-token distributions over the whole vocabulary, both
+teacher-forced over the same sequences, mean per response token; `logprob_mismatch_fp32`: the same mean difference
+with float32 on both sides (float rounding only).
+
+`loop_step_s`: one `crl run configs/smol-minihack-room.yaml` step of one group of 8 MiniHack episodes (SmolLM2 actor
+and extractor, LoRA): the time between the actor's updates of steps 1 and 2 in a 3-step run (no evaluation, no
+merge; the warm starts are cached under ~/.cache/complementary-rl and do not count). `loop_step_s_before`: the same
+run with every precision float32 (without `--quick` only: it takes ~10 minutes a step).
+
+Also printed, as before: `step_s_*`, `peak_rss_mb_*`, `lora_speedup` (full / float32 LoRA step time),
+`lora_memory_ratio`, `trainable_params_*`, `trl_step_s_full` and `ours_over_trl_step_time` (TRL's `GRPOTrainer`
+forward and loss on the same model and samples, or `unavailable` with the reason), `threads`.
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,53 +61,157 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.trl_inputs import trl_inputs  # noqa: E402
 
+PARAMETERS = 134_515_008
+MODES = ("full", "lora", "lora_bf16")
 
-def measure(mode: str, prompts: int, steps: int, threads: int) -> dict:
+
+def actor_prompts(count: int, policy) -> list[list[int]]:  # type: ignore[no-untyped-def]
     from pipeline.actor.episodes import ACTOR_SYSTEM, render_actor_prompt
     from pipeline.envs.registry import make_env
     from pipeline.envs.settings import EnvSettings
+
+    env = make_env("MiniHack-Room-Random-5x5-v0", EnvSettings(), max_turns=20)
+    try:
+        texts = []
+        for seed in range(count):
+            goal, observation = env.reset(seed)
+            texts.append(render_actor_prompt("MiniHack-Room-Random-5x5-v0", goal, observation))
+    finally:
+        env.close()
+    return [policy.prompt_ids(text, ACTOR_SYSTEM) for text in texts]
+
+
+def probe(threads: int) -> dict:
+    """The machine's memory read rate and matmul rates at SmolLM2's shapes."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+    data.sum()
+    started = time.perf_counter()
+    for _ in range(5):
+        data.sum()
+    read = 5 * data.numel() * 4 / (time.perf_counter() - started) / 1e9
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(512, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        for _ in range(5):
+            a @ b
+        repeats, started = 50, time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        rates[name] = repeats * 2 * 512 * 576 * 1536 / (time.perf_counter() - started) / 1e9
+    return {"mem_read_gb_per_s": read, "matmul_gflops_fp32": rates["fp32"], "matmul_gflops_bf16": rates["bf16"]}
+
+
+def generation(precision: str, threads: int) -> dict:
+    """Prefill and decode rates of one batch of 8 actor prompts, the session share of a second turn, and (bfloat16)
+    the log-prob mismatch against the trainer's recomputation."""
+    import torch
+
+    from pipeline.models.base import SamplingParams
+    from pipeline.models.settings import ModelSettings
+    from pipeline.rl.training import initial_policy
+
+    torch.set_num_threads(threads)
+    trainer_policy = initial_policy(ModelSettings(preset="smollm2-135m-instruct"))
+    policy = trainer_policy.for_generation(precision)
+    prompts = actor_prompts(8, policy)
+    policy.generate(prompts[:2], SamplingParams(max_new_tokens=2), seed=0)  # warm-up
+    started = time.perf_counter()
+    policy.generate(prompts, SamplingParams(max_new_tokens=1), seed=1)
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    generations = policy.generate(prompts, SamplingParams(max_new_tokens=32), seed=1)
+    generate_s = time.perf_counter() - started
+    new_tokens = sum(len(g.token_ids) for g in generations)
+    result = {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": prefill_s, "generate_s": generate_s,
+              "new_tokens": new_tokens, "decode_steps": max(len(g.token_ids) for g in generations)}
+    # A second turn: what a session saves. Turn 1 then turn 2 (turn 1's prompt, its answer, a new observation).
+    sessions = list(range(len(prompts)))
+    first = policy.generate(prompts, SamplingParams(max_new_tokens=6, stop=("\n",)), seed=2, sessions=sessions)
+    follow_up = policy.encode("\nObservation: you moved. Action:")
+    second = [list(g.prompt_token_ids) + list(g.token_ids) + follow_up for g in first]
+    run_before = policy.prompt_tokens_run
+    policy.generate(second, SamplingParams(max_new_tokens=6, stop=("\n",)), seed=3, sessions=sessions)
+    result["turn_prompt_tokens_run_share"] = (policy.prompt_tokens_run - run_before) / sum(len(p) for p in second)
+    # Recorded log-probs against the trainer's recomputation of the same tokens.
+    scored = [g for g in generations if g.token_ids]
+    prompt_ids, response_ids = [g.prompt_token_ids for g in scored], [g.token_ids for g in scored]
+    recorded = torch.cat([torch.tensor(g.logprobs) for g in scored])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        recomputed = torch.cat(trainer_policy.token_logprobs(prompt_ids, response_ids))
+        trainer_logits = _response_logits(trainer_policy, prompt_ids, response_ids)
+    with torch.no_grad():
+        rollout_logits = _response_logits(policy, prompt_ids, response_ids)
+    rollout_logp, trainer_logp = torch.log_softmax(rollout_logits, -1), torch.log_softmax(trainer_logits, -1)
+    result["logprob_mismatch"] = float((recorded - recomputed).abs().mean())
+    result["logprob_mismatch_kl"] = float((rollout_logp.exp() * (rollout_logp - trainer_logp)).sum(-1).mean())
+    return result
+
+
+def _response_logits(policy, prompt_ids, response_ids):  # type: ignore[no-untyped-def]
+    """Teacher-forced float32 logits at every response position, one sequence at a time, (T, V) stacked."""
+    import torch
+
+    rows = []
+    for prompt, response in zip(prompt_ids, response_ids, strict=True):
+        ids = torch.tensor([list(prompt) + list(response)])
+        logits = policy.model(input_ids=ids, logits_to_keep=len(response) + 1).logits[0, :-1].float()
+        rows.append(logits)
+    return torch.cat(rows)
+
+
+def update(mode: str, prompts: int, steps: int, threads: int) -> dict:
     from pipeline.models.base import SamplingParams
     from pipeline.models.settings import LoraSettings, ModelSettings
     from pipeline.rl.settings import ActorTrainerSettings
     from pipeline.rl.training import TrainerStep, initial_policy
     from pipeline.rl.update import Sample
 
-    lora = LoraSettings(rank=8, alpha=16) if mode == "lora" else LoraSettings()
-    settings = ActorTrainerSettings(model=ModelSettings(preset="smollm2-135m-instruct", lora=lora), lr=1e-5,
-                                    threads=threads, micro_batch_size=4)
+    lora = LoraSettings(rank=8, alpha=16) if mode != "full" else LoraSettings()
+    precision = "bfloat16" if mode == "lora_bf16" else "float32"
+    settings = ActorTrainerSettings(
+        model=ModelSettings(preset="smollm2-135m-instruct", lora=lora, precision=precision), lr=1e-5,
+        threads=threads, micro_batch_size=4)
     policy = initial_policy(settings.model)
-    env = make_env("MiniHack-Room-Random-5x5-v0", EnvSettings(), max_turns=20)
-    try:
-        texts = []
-        for seed in range(prompts):
-            goal, observation = env.reset(seed)
-            texts.append(render_actor_prompt("MiniHack-Room-Random-5x5-v0", goal, observation))
-    finally:
-        env.close()
-    prompt_ids = [policy.prompt_ids(text, ACTOR_SYSTEM) for text in texts]
-    update = TrainerStep(policy, settings, temperature=1.0)  # wraps the LoRA adapter when asked (identity at start)
-    started = time.perf_counter()
-    generations = update.policy.generate(prompt_ids, SamplingParams(max_new_tokens=16, temperature=1.0), seed=0)
-    gen_s = time.perf_counter() - started
+    prompt_ids = actor_prompts(prompts, policy)
+    step = TrainerStep(policy, settings, temperature=1.0)  # wraps the LoRA adapter when asked (identity at start)
+    generations = step.policy.generate(prompt_ids, SamplingParams(max_new_tokens=16, temperature=1.0), seed=0)
     samples = [Sample(tuple(g.prompt_token_ids), tuple(g.token_ids), tuple(g.logprobs), 1.0 if i % 2 else -1.0)
                for i, g in enumerate(generations)]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     durations = []
     for _ in range(steps + 1):  # the first warms up allocators and kernels
         started = time.perf_counter()
-        update.run(samples, "grpo")
+        step.run(samples, "grpo")
         durations.append(time.perf_counter() - started)
-    step_s = min(durations[1:])
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before TRL's step, ours alone
-    trl = trl_step_s(update.policy, samples, steps) if mode == "full" else None
+    trl = trl_step_s(step.policy, samples, steps) if mode == "full" else None
     return {
-        "trl_step_s": trl,
-        "gen_s": gen_s, "gen_new_tokens": sum(len(g.token_ids) for g in generations),
-        "prompt_tokens": sum(len(p) for p in prompt_ids), "prompts": len(prompt_ids),
-        "step_s": step_s, "step_tokens": tokens,
-        "trainable_params": sum(p.numel() for p in update.policy.model.parameters() if p.requires_grad),
+        "trl_step_s": trl, "step_s": min(durations[1:]), "step_tokens": tokens,
+        "trainable_params": sum(p.numel() for p in step.policy.model.parameters() if p.requires_grad),
         "peak_rss_mb": peak_rss_mb,
     }
+
+
+def loop_step_s(precision: str, run_dir: Path) -> float:
+    """The time between the actor's updates of steps 1 and 2 of a 3-step SmolLM2 run at `precision`."""
+    from pipeline.audit.views import Audit
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    env.update({"HF_HUB_OFFLINE": "1", "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "2", "CRL_SCHEDULER__EVAL_EVERY": "0",
+                "CRL_SCHEDULER__MERGE_EVERY": "0", "CRL_ACTOR_TRAINER__MODEL__PRECISION": precision,
+                "CRL_EXTRACTOR_TRAINER__MODEL__PRECISION": precision, "CRL_ROLLOUT__GENERATION__PRECISION": precision,
+                "CRL_EXTRACTOR__GENERATION__PRECISION": precision})
+    command = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "configs/smol-minihack-room.yaml"), "--steps",
+               "3", "--run-dir", str(run_dir), "--no-report"]
+    subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with Audit(run_dir) as audit:
+        _, rows = audit.query("SELECT step, min(occurred_at) FROM train_steps WHERE role = 'actor' GROUP BY step "
+                              "ORDER BY step")
+    completed = dict(rows)
+    return (completed[2] - completed[1]).total_seconds()
 
 
 def trl_step_s(policy, samples, steps: int) -> float | str:
@@ -137,38 +263,68 @@ def trl_step_s(policy, samples, steps: int) -> float | str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 prompts, 1 timed step per mode")
+    parser.add_argument("--quick", action="store_true", help="4 update prompts, 1 timed step, the loop after only")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     prompts, steps = (4, 1) if args.quick else (8, 2)
     if args.child:
-        print(json.dumps(measure(args.child, prompts, steps, args.threads)))
+        kind, _, mode = args.child.partition(":")
+        if kind == "probe":
+            result = probe(args.threads)
+        elif kind == "generation":
+            result = generation(mode, args.threads)
+        else:
+            result = update(mode, prompts, steps, args.threads)
+        print(json.dumps(result))
         return
-    results = {}
-    for mode in ("full", "lora"):
-        command = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads)]
+
+    def child(spec: str) -> dict:
+        command = [sys.executable, __file__, "--child", spec, "--threads", str(args.threads)]
         command += ["--quick"] if args.quick else []
         out = subprocess.run(command, check=True, capture_output=True, text=True,
                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    full, lora = results["full"], results["lora"]
-    lines = {
-        "gen_new_tokens_per_s": full["gen_new_tokens"] / full["gen_s"],
-        "gen_prompt_tokens_per_s": full["prompt_tokens"] / full["gen_s"],
-        "gen_s": full["gen_s"], "prompt_tokens_mean": full["prompt_tokens"] / full["prompts"],
-        "step_tokens_per_s_full": full["step_tokens"] / full["step_s"],
-        "step_tokens_per_s_lora": lora["step_tokens"] / lora["step_s"],
-        "step_s_full": full["step_s"], "step_s_lora": lora["step_s"],
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    machine = child("probe")
+    before, after = child("generation:float32"), child("generation:bfloat16")
+    updates = {mode: child(f"update:{mode}") for mode in MODES}
+    bounds = {
+        "gen_new_tokens_per_s_bound": 8 * machine["mem_read_gb_per_s"] * 1e9 / (2 * PARAMETERS),
+        "gen_prompt_tokens_per_s_bound": machine["matmul_gflops_bf16"] * 1e9 / (2 * PARAMETERS),
+        "step_tokens_per_s_lora_bound": machine["matmul_gflops_bf16"] * 1e9 / (4 * PARAMETERS),
+    }
+    lines: dict[str, object] = dict(machine)
+    for suffix, gen in (("_before", before), ("", after)):
+        lines[f"gen_new_tokens_per_s{suffix}"] = gen["new_tokens"] / (gen["generate_s"] - gen["prefill_s"])
+        lines[f"gen_prompt_tokens_per_s{suffix}"] = gen["prompt_tokens"] / gen["prefill_s"]
+        lines[f"turn_prompt_tokens_run_share{suffix}"] = gen["turn_prompt_tokens_run_share"]
+    lines["gen_decode_steps"] = after["decode_steps"]
+    lines["logprob_mismatch"] = after["logprob_mismatch"]
+    lines["logprob_mismatch_kl"] = after["logprob_mismatch_kl"]
+    lines["logprob_mismatch_fp32"] = before["logprob_mismatch"]
+    full, lora, lora_bf16 = (updates[mode] for mode in MODES)
+    lines["step_tokens_per_s_full"] = full["step_tokens"] / full["step_s"]
+    lines["step_tokens_per_s_lora_before"] = lora["step_tokens"] / lora["step_s"]
+    lines["step_tokens_per_s_lora"] = lora_bf16["step_tokens"] / lora_bf16["step_s"]
+    lines.update(bounds)
+    for name in ("gen_new_tokens_per_s", "gen_prompt_tokens_per_s", "step_tokens_per_s_lora"):
+        lines[f"{name}_share"] = float(lines[name]) / bounds[f"{name}_bound"]  # type: ignore[arg-type]
+    with tempfile.TemporaryDirectory(prefix="smol-loop-") as scratch:
+        lines["loop_step_s"] = loop_step_s("bfloat16", Path(scratch) / "after")
+        lines["loop_step_s_before"] = ("skipped (--quick)" if args.quick
+                                       else loop_step_s("float32", Path(scratch) / "before"))
+    lines.update({
+        "step_s_full": full["step_s"], "step_s_lora_before": lora["step_s"], "step_s_lora": lora_bf16["step_s"],
         "peak_rss_mb_full": full["peak_rss_mb"], "peak_rss_mb_lora": lora["peak_rss_mb"],
-        "lora_speedup": full["step_s"] / lora["step_s"],
-        "lora_memory_ratio": lora["peak_rss_mb"] / full["peak_rss_mb"],
+        "peak_rss_mb_lora_bf16": lora_bf16["peak_rss_mb"],
+        "lora_speedup": full["step_s"] / lora["step_s"], "lora_memory_ratio": lora["peak_rss_mb"] / full["peak_rss_mb"],
         "trainable_params_full": full["trainable_params"], "trainable_params_lora": lora["trainable_params"],
         "trl_step_s_full": full["trl_step_s"],
         "ours_over_trl_step_time": (full["step_s"] / full["trl_step_s"] if isinstance(full["trl_step_s"], float)
                                     else full["trl_step_s"]),
         "threads": args.threads,
-    }
+    })
     for name, value in lines.items():
         print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
 

@@ -27,7 +27,7 @@ of the user text itself, as before. Generation stops at the model's end-of-turn 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -127,9 +127,18 @@ class PolicyModel(ABC):
 
     @abstractmethod
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
-        """One `Generation` per prompt (text, encoded without special tokens, or token ids), in order."""
+        """One `Generation` per prompt (text, encoded without special tokens, or token ids), in order.
+
+        `sessions` (one per prompt, None for none) names the conversation a prompt continues, such as an episode
+        played over several turns: a backend may keep the keys and values of a session's last prompt and prefill only
+        what a new prompt adds after their common prefix. It changes what is computed, not what is sampled (up to
+        float rounding); `end_sessions` lets a backend drop what it kept."""
+
+    def end_sessions(self, sessions: Iterable[Hashable] | None = None) -> None:
+        """Forget what `generate` kept for `sessions` (all of them for None); a no-op for backends that keep none."""
 
     @abstractmethod
     def token_logprobs(

@@ -33,13 +33,20 @@ log = logging.getLogger(__name__)
 
 
 def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
-                   micro_batch_size: int = 8, seed: int = 0, current: PolicyModel | None = None) -> PolicyModel:
-    """The policy of `event`, after its checkpoint's sha256 checks out. A LoRA version on the base `current` already
-    holds is applied to it in place (the base is not loaded again)."""
+                   micro_batch_size: int = 8, seed: int = 0, current: PolicyModel | None = None,
+                   precision: str = "float32") -> PolicyModel:
+    """The policy of `event`, after its checkpoint's sha256 checks out, to generate at `precision` (transformers:
+    float32, or a bfloat16 copy, `TransformersPolicy.for_generation`). A LoRA version on the base `current` already
+    holds (or the float32 policy a bfloat16 `current` was made from) is applied to it in place (the base is not
+    loaded again)."""
     path = checkpoint_path(event.checkpoint_uri)
     if backend == "transformers":
         reuse = current if isinstance(current, TransformersPolicy) else None
-        policy = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse).policy
+        if reuse is not None and reuse.full_precision is not None:
+            reuse = reuse.full_precision
+        loaded = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse).policy
+        loaded.end_sessions()  # a policy loaded in place forgets the keys and values of its previous weights
+        policy = loaded.for_generation(precision)
         policy.micro_batch_size = micro_batch_size
         return policy
     if backend == "vllm":
@@ -80,13 +87,14 @@ class PolicyFollower(FollowedView):
         return newest
 
     def load(self, event: PolicyPublished, backend: str, device: str = "cpu", *, micro_batch_size: int = 8,
-             seed: int = 0, keeping: int = -1, current: PolicyModel | None = None) -> PolicyModel | None:
+             seed: int = 0, keeping: int = -1, current: PolicyModel | None = None,
+             precision: str = "float32") -> PolicyModel | None:
         """`load_published`, timed and logged; a version whose checkpoint fails its sha256 check is remembered in
         `refused` (never offered again by `newer_than`) and None is returned: the caller keeps version `keeping`."""
         started = time.perf_counter()
         try:
             policy = load_published(event, backend, device, micro_batch_size=micro_batch_size, seed=seed,
-                                    current=current)
+                                    current=current, precision=precision)
         except CheckpointError as exc:
             self.refused.add(event.version)
             log.error("%s version %d refused (%s); keeping version %d", self.role, event.version, exc, keeping)

@@ -21,7 +21,9 @@ covers all of them (the vocabulary-sized logits dominate memory, so only those p
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_se
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 
 GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -53,6 +55,24 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if declared in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@dataclass
+class KeptPrompt:
+    """The keys and values of a session's last prompt, per layer `(heads, len(prompt_ids), head_dim)`."""
+
+    prompt_ids: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class TransformersPolicy(PolicyModel):
@@ -87,6 +107,15 @@ class TransformersPolicy(PolicyModel):
         """Manifest sha256 of the full checkpoint the weights (the base, for a LoRA policy) were loaded from."""
         self.adapter_config: dict[str, Any] | None = None
         """The LoRA adapter's configuration (`pipeline.models.lora`), None for a plain model."""
+        self.full_precision: TransformersPolicy | None = None
+        """For a reduced-precision generation copy (`for_generation`), the float32 policy it was made from."""
+        self.max_sessions = 256
+        """Most sessions whose last prompt's keys and values `generate` keeps (the least recently used goes first)."""
+        self._sessions: OrderedDict[Hashable, KeptPrompt] = OrderedDict()
+        self.prompt_tokens_run = 0
+        """Prompt tokens `generate` has run through the model so far (what sessions saved is not counted)."""
+        self.prompt_tokens_reused = 0
+        """Prompt tokens whose keys and values came from a session instead."""
 
     @classmethod
     def from_pretrained(
@@ -104,12 +133,40 @@ class TransformersPolicy(PolicyModel):
             raise ConfigError(f"cannot load a causal LM and tokenizer from {path}: {exc}") from exc
         return cls(model, tokenizer, device=device, micro_batch_size=micro_batch_size)
 
+    def for_generation(self, precision: str) -> TransformersPolicy:
+        """The policy a generating worker samples from at `precision`: itself for float32; for bfloat16 a copy with
+        bfloat16 weights, a LoRA adapter merged into them (a decode step then reads each weight once, at half the
+        bytes, with no adapter matmuls). The copy names this policy as `full_precision`, which a later adapter
+        version is loaded onto (its hashes are over the float32 weights)."""
+        if precision == "float32":
+            return self
+        if precision != "bfloat16":
+            raise InvalidArgumentError(f"unknown precision {precision!r}; valid values: float32, bfloat16")
+        import copy
+
+        from pipeline.models.lora import is_lora
+
+        model: Any = copy.deepcopy(self.model)
+        if is_lora(model):
+            model = model.merge_and_unload()
+        model.to(torch.bfloat16)
+        copied = TransformersPolicy(model, self.tokenizer, device=str(self.device),
+                                    micro_batch_size=self.micro_batch_size)
+        copied.base_checkpoint, copied.adapter_config = self.base_checkpoint, self.adapter_config
+        copied.full_precision = self
+        copied.model.eval()
+        return copied
+
     # -- generation -----------------------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
         prompt_ids = [self._prompt_ids(prompt) for prompt in prompts]
+        if sessions is not None and len(sessions) != len(prompt_ids):
+            raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(sessions)} sessions")
+        row_sessions = list(sessions) if sessions is not None else [None] * len(prompt_ids)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -118,10 +175,18 @@ class TransformersPolicy(PolicyModel):
                 for start in range(0, len(prompt_ids), self.micro_batch_size):
                     rows = range(start, min(start + self.micro_batch_size, len(prompt_ids)))
                     generators = [self._generator(row_seed(seed, row)) for row in rows]
-                    generations += self._generate_micro_batch([prompt_ids[r] for r in rows], generators, sampling)
+                    generations += self._generate_micro_batch([prompt_ids[r] for r in rows], generators, sampling,
+                                                              [row_sessions[r] for r in rows])
                 return generations
         finally:
             self.model.train(was_training)
+
+    def end_sessions(self, sessions: Iterable[Hashable] | None = None) -> None:
+        if sessions is None:
+            self._sessions.clear()
+            return
+        for session in sessions:
+            self._sessions.pop(session, None)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -135,20 +200,34 @@ class TransformersPolicy(PolicyModel):
         return generator
 
     def _generate_micro_batch(
-        self, prompt_ids: list[list[int]], generators: list[torch.Generator], sampling: SamplingParams
+        self, prompt_ids: list[list[int]], generators: list[torch.Generator], sampling: SamplingParams,
+        sessions: list[Hashable | None],
     ) -> list[Generation]:
         batch = len(prompt_ids)
-        width = max(len(ids) for ids in prompt_ids)
+        kept = [self._sessions.get(session) if session is not None else None for session in sessions]
+        # Tokens of each prompt whose keys and values its session kept: the common prefix with the session's last
+        # prompt, less one token (the last prompt token is always run, its logits start the response).
+        reused = [min(_common_prefix(k.prompt_ids, ids), len(ids) - 1) if k is not None else 0
+                  for k, ids in zip(kept, prompt_ids, strict=True)]
+        past_width = max(reused)
+        width = max(len(ids) - r for ids, r in zip(prompt_ids, reused, strict=True))
+        # Layout per row: [pad | reused prefix] [pad | the rest of the prompt], both halves right-aligned.
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)  # (B, P)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)  # (B, P)
-        for i, ids in enumerate(prompt_ids):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, width - len(ids) :] = 1
+        attention_mask = torch.zeros((batch, past_width + width), dtype=torch.long)  # (B, R+P)
+        for i, (ids, r) in enumerate(zip(prompt_ids, reused, strict=True)):
+            rest = ids[r:]
+            input_ids[i, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+            attention_mask[i, past_width - r : past_width] = 1
+            attention_mask[i, past_width + width - len(rest) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past_width:]  # (B, P)
+        cache = self._past(kept, reused, past_width) if past_width else None
+        self.prompt_tokens_reused += sum(reused)
+        self.prompt_tokens_run += sum(len(ids) for ids in prompt_ids) - sum(reused)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1)
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
+        self._keep(sessions, prompt_ids, reused, past_width, width, cache)
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_position = position_ids[:, -1:] + 1  # (B, 1)
 
@@ -182,6 +261,41 @@ class TransformersPolicy(PolicyModel):
             )
             for i in range(batch)
         ]
+
+    def _past(self, kept: list[KeptPrompt | None], reused: list[int], width: int) -> DynamicCache:
+        """A cache of `width` columns holding, right-aligned per row, the first `reused[i]` positions its session
+        kept (zeros elsewhere, which the attention mask hides)."""
+        from transformers import DynamicCache
+
+        layers = []
+        for layer in range(len(next(k for k in kept if k is not None).keys)):
+            template = next(k for k in kept if k is not None).keys[layer]  # (H, T, D)
+            heads, dim = template.shape[0], template.shape[2]
+            keys = template.new_zeros((len(kept), heads, width, dim))  # (B, H, R, D)
+            values = template.new_zeros((len(kept), heads, width, dim))
+            for row, (k, r) in enumerate(zip(kept, reused, strict=True)):
+                if k is not None and r:
+                    keys[row, :, width - r :] = k.keys[layer][:, :r]
+                    values[row, :, width - r :] = k.values[layer][:, :r]
+            layers.append((keys, values))
+        return DynamicCache(layers, config=self.model.config)
+
+    def _keep(self, sessions: list[Hashable | None], prompt_ids: list[list[int]], reused: list[int], past_width: int,
+              width: int, cache: Any) -> None:
+        """Keep, per row with a session, the keys and values of its whole prompt (copied out of the batch cache)."""
+        for row, (session, ids, r) in enumerate(zip(sessions, prompt_ids, reused, strict=True)):
+            if session is None:
+                continue
+            rest = len(ids) - r
+            columns = list(range(past_width - r, past_width)) + list(range(past_width + width - rest,
+                                                                           past_width + width))
+            index = torch.tensor(columns, device=self.device)
+            keys = [layer.keys[row].index_select(1, index) for layer in cache.layers]  # each (H, T, D)
+            values = [layer.values[row].index_select(1, index) for layer in cache.layers]
+            self._sessions.pop(session, None)
+            self._sessions[session] = KeptPrompt(tuple(ids), keys, values)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.pop(next(iter(self._sessions)))  # the least recently used
 
     def _contains_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
         # The whole response is decoded each time: a stop string can straddle tokens, and a byte-level token can

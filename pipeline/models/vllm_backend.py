@@ -19,7 +19,7 @@ Alignment with the transformers backend:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -49,15 +49,17 @@ class VllmPolicy(PolicyModel):
         self._vllm = vllm
         self.llm = vllm.LLM(
             model=model_path, tokenizer=model_path, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+            dtype=dtype, max_model_len=max_model_len, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
         )
         # Prompts go in as token ids, encoded by the tokenizer exactly as saved (vLLM's own loader would pick
         # Qwen2Tokenizer for the tiny preset and encode differently; see `load_tokenizer`).
         self.tokenizer = load_tokenizer(model_path)
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
+        # `sessions` is not needed: vLLM's automatic prefix caching reuses any shared prefix, in a session or not.
         prompt_ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         params = [
             self._vllm.SamplingParams(

@@ -135,12 +135,15 @@ class TrainerStep:
         return cls(loaded.policy, settings, temperature, loaded.optimizer_tensors, loaded.optimizer_param_groups)
 
     def run(self, samples: Sequence[Sample], variant: str) -> StepResult:
-        """One update over `samples` with loss `variant` ("grpo" | "cispo")."""
+        """One update over `samples` with loss `variant` ("grpo" | "cispo"); with `model.precision` bfloat16 the
+        forward and backward passes run under CPU autocast (the weights, gradients and AdamW stay float32)."""
         s = self.settings
-        return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
-                           aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
-                           temperature=self.temperature, micro_batch_size=s.micro_batch_size,
-                           max_grad_norm=s.max_grad_norm, norm_tokens=s.norm_tokens)
+        with torch.autocast(self.policy.device.type, dtype=torch.bfloat16,
+                            enabled=s.model.precision == "bfloat16"):
+            return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
+                               aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
+                               temperature=self.temperature, micro_batch_size=s.micro_batch_size,
+                               max_grad_norm=s.max_grad_norm, norm_tokens=s.norm_tokens)
 
 
 @dataclass(eq=False)

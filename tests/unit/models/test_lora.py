@@ -174,3 +174,54 @@ def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
     ours, theirs = trainer.update.run(samples, "grpo"), replayed.run(samples, "grpo")
     assert ours.grad_norm == theirs.grad_norm
     assert weight_hash(trainer.policy.model) == weight_hash(replayed.policy.model)
+
+
+def test_a_bfloat16_generation_copy_merges_the_adapter_and_the_next_version_loads_onto_its_float32_source(lora_run):
+    from pipeline.models.base import SamplingParams
+    from pipeline.models.policy_follower import load_published
+    from schemas.training import PolicyPublished
+
+    run_dir, events = lora_run
+    root = _root(run_dir)
+    published = {e.version: e for e in events if isinstance(e, PolicyPublished)}
+    held = load_published(published[1], "transformers", precision="bfloat16")
+    assert held.full_precision is not None and is_lora(held.full_precision.model)
+    assert not is_lora(held.model)  # the adapter is merged into the copy's weights
+    assert {p.dtype for p in held.model.parameters()} == {torch.bfloat16}
+    source_hash = weight_hash(held.full_precision.model)
+    assert source_hash == json.loads((version_dir(root, 1) / "manifest.json").read_text())["weight_hash"]
+    # The copy samples what the float32 version would, up to bfloat16 rounding of its log-probs.
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    ours = held.generate(prompts, greedy, seed=0)
+    theirs = held.full_precision.generate(prompts, greedy, seed=0)
+    for a, b in zip(ours, theirs, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), atol=0.1, rtol=0)
+    newer = load_published(published[2], "transformers", precision="bfloat16", current=held)
+    assert newer.full_precision is held.full_precision  # the adapter went onto the float32 source in place
+    assert weight_hash(newer.full_precision.model) == json.loads(
+        (version_dir(root, 2) / "manifest.json").read_text())["weight_hash"]
+    assert load_published(published[2], "transformers", current=held).full_precision is None  # float32: itself
+
+
+def test_bfloat16_autocast_updates_keep_float32_weights_and_replay_bit_for_bit(tmp_path, record_actor_run, lora_run):
+    settings = SETTINGS.model_copy(update={"model": SETTINGS.model.model_copy(update={"precision": "bfloat16"})})
+    events = record_actor_run(tmp_path, settings)
+    rows = [archive_row(event, topic_of(event).name, 0, offset, 0, b"k", log_id="log-1")
+            for offset, event in enumerate(events)]
+    write_segments(archive_root(tmp_path), rows)
+    report = replay_training(tmp_path, "actor")
+    assert report.ok, report.problem
+    assert [(c.step, c.version, c.ok) for c in report.checks] == [(1, 1, True), (2, 2, True)]
+    loaded = load_checkpoint(version_dir(_root(tmp_path), 2)).policy
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
+    # The same first batch as the float32 run (version 0 samples it), another update: the autocast took effect.
+    from schemas.training import TrainStepCompleted
+
+    def first_update(recorded: list[Event]) -> TrainStepCompleted:
+        return next(e for e in recorded if isinstance(e, TrainStepCompleted) and e.step == 1)
+
+    ours, theirs = first_update(events), first_update(lora_run[1])
+    assert ours.weight_hash_before == theirs.weight_hash_before
+    assert ours.weight_hash_after != theirs.weight_hash_after

@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.models import (
     Generation,
     SamplingParams,
@@ -481,3 +481,40 @@ def test_a_generating_worker_runs_on_the_threads_it_is_given():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_session_continues_from_its_kept_prefix_and_samples_what_a_fresh_prompt_would(
+        policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=8)
+    first_turn = [p + " north" for p in PROMPTS]
+    second_turn = [p + " north\nObservation: a wall\nAction:" for p in PROMPTS]
+    fresh = TransformersPolicy(policy.model, policy.tokenizer)
+    expected = fresh.generate(second_turn, sampling, seed=4)
+    kept = TransformersPolicy(policy.model, policy.tokenizer)
+    sessions = ["e0", "e1", None, "e3"]  # row 2 plays without a session
+    kept.generate(first_turn, sampling, seed=3, sessions=sessions)
+    assert sorted(kept._sessions) == ["e0", "e1", "e3"]
+    first_lengths = [len(policy.encode(first_turn[i])) for i in (0, 1, 3)]
+    assert [len(k.prompt_ids) for k in kept._sessions.values()] == first_lengths
+    # The second turn runs only what each prompt adds (at least its last token) on the kept keys and values.
+    before = kept.prompt_tokens_run
+    continued = kept.generate(second_turn, sampling, seed=4, sessions=sessions)
+    assert kept.prompt_tokens_reused == sum(first_lengths)
+    assert kept.prompt_tokens_run - before == sum(len(policy.encode(p)) for p in second_turn) - sum(first_lengths)
+    assert [g.token_ids for g in continued] == [g.token_ids for g in expected]
+    for ours, theirs in zip(continued, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-5, rtol=0)
+        assert ours.prompt_token_ids == theirs.prompt_token_ids
+    # A prompt that departs from its session's early on, and one equal to it, still match a fresh run.
+    changed = ["Action:", second_turn[1], "x", second_turn[3]]
+    assert ([g.token_ids for g in kept.generate(changed, sampling, seed=5, sessions=sessions)]
+            == [g.token_ids for g in fresh.generate(changed, sampling, seed=5)])
+    kept.end_sessions(["e0"])
+    assert sorted(kept._sessions) == ["e1", "e3"]
+    kept.end_sessions()
+    assert not kept._sessions
+    kept.max_sessions = 2
+    kept.generate(PROMPTS, sampling, seed=1, sessions=["a", "b", "c", "d"])
+    assert list(kept._sessions) == ["c", "d"]  # the least recently used went first
+    with pytest.raises(InvalidArgumentError, match="4 prompts but 3 sessions"):
+        kept.generate(PROMPTS, sampling, seed=1, sessions=["a", "b", "c"])
