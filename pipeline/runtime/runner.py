@@ -18,8 +18,9 @@ What a worker follows (the newest policy of a role, the bank replica) it reads t
 runtime backs with a follower thread (`pipeline.runtime.log`) and stops when the worker stops.
 
 Stopping: SIGTERM/SIGINT finish the current record, flush, commit and exit; so do `max_events`, `timeout_s` and a
-worker that says it is `done`. Metrics (events in/out, dead letters, retries, handler time, lag) are logged every
-`metrics_interval_s` and appended as JSON lines to `RUN_DIR/metrics/<instance>.jsonl` when a path is given.
+worker that says it is `done`. Metrics (events in/out, dead letters, retries, handler time, time waiting for input,
+lag) are logged every `metrics_interval_s` and appended as JSON lines to `RUN_DIR/metrics/<instance>.jsonl` when a
+path is given.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ class WorkerMetrics:
     retries: int = 0
     commits: int = 0
     handler_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    """Time spent in input polls while the worker was not `busy`: waiting for input, with nothing else to do."""
     lag: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, object]:
@@ -271,7 +274,12 @@ class WorkerRunner:
             timeout = self.worker.poll_timeout_ms()
             timeout = self.settings.poll_timeout_ms if timeout is None else timeout
             if self.input_log is not None:
-                for record in self.input_log.poll(timeout):
+                waiting = not self.worker.busy
+                polled = time.monotonic()
+                records = self.input_log.poll(timeout)
+                if waiting:  # a poll blocks until records arrive or its timeout passes: time waiting for input
+                    self.metrics.wait_seconds += time.monotonic() - polled
+                for record in records:
                     if self._check_limits():
                         break  # not handled, not committed: the next start reads it again
                     self._process(record)
