@@ -30,9 +30,9 @@ Then the index alone at 100k vectors (the same keys as the 100k bank), for a gri
 connectivity 16 and 32 (only the default with `--quick`) x expansion_search 64 / 128 / 256 (and the default), with
 the default expansion_add (128). Each connectivity's index is built once, timed (`index_grid_cC_build_s`: what a
 bank replay or a snapshot pays per 100k vectors of a family, one thread), and its expansion_search changed in place.
-Per setting
-(`index_grid_cC_esE_`): `recall_at_10` over 1,000 embedding-like queries against numpy brute force, and
-`p50_ms`, `p99_ms`, `cpu_p99_ms` of one query's search (k = 16), each the median over 3 rounds of 1,000 queries;
+Per setting (`index_grid_cC_esE_`): `recall_at_10` over 1,000 embedding-like queries against numpy brute force, and
+`p50_ms`, `p99_ms`, `cpu_p99_ms` of one query's search (k = 16), each the median over 3 rounds of 1,000 queries
+(the rounds of all settings interleaved, so load from elsewhere on the machine hits them alike);
 `cpu_p99_ms` counts the thread's CPU time only, so it leaves out the waits for a core on a loaded machine that
 inflate the wall-clock p99. Last:
 - `index_p99_ms_100k`, `recall_at_10_100k`, `index_setting_100k`: the default settings (BankSettings);
@@ -176,7 +176,9 @@ def setting_name(connectivity: int, expansion_search: int) -> str:
 
 def index_grid(size: int, connectivities: tuple[int, ...], k: int) -> dict[str, dict[str, float]]:
     """Recall and single-query latency of a `size`-vector index (the keys `synthetic_bank(size)` holds), built once
-    per connectivity with the default expansion_add, for each expansion_search of the grid. Prints as it goes."""
+    per connectivity with the default expansion_add, for each expansion_search of the grid. Every setting is timed
+    in 3 rounds of 1,000 queries, the rounds of all settings interleaved, so that a burst of load from elsewhere on
+    the machine hits them alike; each figure is the median over the rounds."""
     defaults = BankSettings()
     keys = embedding_like(np.random.default_rng(size), size, DIM).astype("<f2")  # as in synthetic_bank
     ids = [f"exp-{i:06d}" for i in range(size)]
@@ -185,43 +187,54 @@ def index_grid(size: int, connectivities: tuple[int, ...], k: int) -> dict[str, 
     queries = embedding_like(np.random.default_rng(7), 3000, DIM)
     scores = queries[:1000] @ unit.T  # (1000, size)
     truth = np.argpartition(-scores, 10, axis=1)[:, :10]  # the true 10 nearest, unordered
-    del scores
+    del scores, unit
     searches = sorted({64, 128, 256, defaults.hnsw_expansion_search})
-    grid: dict[str, dict[str, float]] = {}
+    indexes: dict[int, ExperienceIndex] = {}
+    build_s: dict[int, float] = {}
     for connectivity in connectivities:
         progress(f"index of {size}: building the graph with connectivity {connectivity}")
         began = time.perf_counter()
-        index = ExperienceIndex.build(zip(ids, [FAMILY] * size, keys, strict=True), dim=DIM,
-                                      exact_threshold=defaults.exact_threshold, connectivity=connectivity,
-                                      expansion_add=defaults.hnsw_expansion_add)
-        build_s = time.perf_counter() - began
-        print(f"index_grid_c{connectivity}_build_s={build_s:.1f}")
-        for expansion_search in searches:
-            progress(f"index of {size}: connectivity {connectivity}, expansion_search {expansion_search}")
+        indexes[connectivity] = ExperienceIndex.build(
+            zip(ids, [FAMILY] * size, keys, strict=True), dim=DIM, exact_threshold=defaults.exact_threshold,
+            connectivity=connectivity, expansion_add=defaults.hnsw_expansion_add)
+        build_s[connectivity] = time.perf_counter() - began
+        print(f"index_grid_c{connectivity}_build_s={build_s[connectivity]:.1f}")
+        sys.stdout.flush()
+    settings = [(connectivity, expansion_search) for connectivity in connectivities for expansion_search in searches]
+    recall: dict[tuple[int, int], float] = {}
+    for connectivity, expansion_search in settings:
+        index = indexes[connectivity]
+        index.set_expansion_search(expansion_search)
+        found = index.search(queries[:1000], [FAMILY] * 1000, 10)
+        recall[connectivity, expansion_search] = float(np.mean([
+            len({ids[j] for j in row} & {i for i, _ in got}) / 10 for row, got in zip(truth, found, strict=True)]))
+        for query in queries[:100]:  # warm-up
+            index.search(query[None, :], [FAMILY], k)
+    rounds: dict[tuple[int, int], list[tuple[float, float, float]]] = {setting: [] for setting in settings}
+    for round_ in range(3):
+        progress(f"index of {size}: timing round {round_ + 1} of 3")
+        for connectivity, expansion_search in settings:
+            index = indexes[connectivity]
             index.set_expansion_search(expansion_search)
-            found = index.search(queries[:1000], [FAMILY] * 1000, 10)
-            recall = float(np.mean([len({ids[j] for j in row} & {i for i, _ in got}) / 10
-                                    for row, got in zip(truth, found, strict=True)]))
-            for query in queries[:100]:  # warm-up
+            wall, cpu = np.empty(1000), np.empty(1000)
+            for n, query in enumerate(queries[1000 * round_: 1000 * (round_ + 1)]):
+                began, began_cpu = time.perf_counter(), time.thread_time()
                 index.search(query[None, :], [FAMILY], k)
-            rounds = []
-            for round_ in range(3):
-                wall, cpu = np.empty(1000), np.empty(1000)
-                for n, query in enumerate(queries[1000 * round_: 1000 * (round_ + 1)]):
-                    began, began_cpu = time.perf_counter(), time.thread_time()
-                    index.search(query[None, :], [FAMILY], k)
-                    wall[n], cpu[n] = time.perf_counter() - began, time.thread_time() - began_cpu
-                rounds.append((np.percentile(wall, 50), np.percentile(wall, 99), np.percentile(cpu, 99)))
-            p50_s, p99_s, cpu_p99_s = (float(v) for v in np.median(rounds, axis=0))
-            name = setting_name(connectivity, expansion_search)
-            grid[name] = {"connectivity": connectivity, "expansion_search": expansion_search, "recall": recall,
-                          "p50_s": p50_s, "p99_s": p99_s, "cpu_p99_s": cpu_p99_s, "build_s": build_s}
-            print(f"index_grid_{name}_recall_at_10={recall:.3f}")
-            print(f"index_grid_{name}_p50_ms={ms(p50_s)}")
-            print(f"index_grid_{name}_p99_ms={ms(p99_s)}")
-            print(f"index_grid_{name}_cpu_p99_ms={ms(cpu_p99_s)}")
-            sys.stdout.flush()
-        del index
+                wall[n], cpu[n] = time.perf_counter() - began, time.thread_time() - began_cpu
+            rounds[connectivity, expansion_search].append(
+                (float(np.percentile(wall, 50)), float(np.percentile(wall, 99)), float(np.percentile(cpu, 99))))
+    grid: dict[str, dict[str, float]] = {}
+    for connectivity, expansion_search in settings:
+        p50_s, p99_s, cpu_p99_s = (float(v) for v in np.median(rounds[connectivity, expansion_search], axis=0))
+        name = setting_name(connectivity, expansion_search)
+        grid[name] = {"connectivity": connectivity, "expansion_search": expansion_search,
+                      "recall": recall[connectivity, expansion_search], "p50_s": p50_s, "p99_s": p99_s,
+                      "cpu_p99_s": cpu_p99_s, "build_s": build_s[connectivity]}
+        print(f"index_grid_{name}_recall_at_10={recall[connectivity, expansion_search]:.3f}")
+        print(f"index_grid_{name}_p50_ms={ms(p50_s)}")
+        print(f"index_grid_{name}_p99_ms={ms(p99_s)}")
+        print(f"index_grid_{name}_cpu_p99_ms={ms(cpu_p99_s)}")
+    sys.stdout.flush()
     return grid
 
 
@@ -309,6 +322,7 @@ def main() -> None:
     print(f"p50_ms={ms(headline['p50_s'])}")
     print(f"p99_ms={ms(headline['p99_s'])}")
     sys.stdout.flush()
+    del bank, retriever  # the 100k bank's memory, before the grid builds its own indexes
 
     defaults = BankSettings()
     connectivities = {defaults.hnsw_connectivity} if args.quick else {16, 32, defaults.hnsw_connectivity}
