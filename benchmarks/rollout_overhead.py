@@ -9,20 +9,30 @@ engine, one batched generation per turn — by the tiny preset actor (untrained,
 limit: every configuration plays the same number of turns). Configurations:
 - `without`: every slot free, no retriever (the `grpo` arm);
 - `with`: K/2 slots per group guided: the real all-MiniLM-L6-v2 encoder, a bank of N experiences (searched exactly,
-  as below 10k), one batched retrieval at episode start, the experience in the prompt; meanwhile a thread applies
-  `ExperienceAdded` ops to the same bank under its writer lock at `--ops-per-s` — what a concurrently running
-  extractor does to a rollout process (its model runs elsewhere: on its own GPU in a deployment);
+  as below 10k), the guided episodes' retrieval queued at admission and served in the background (one batch: one
+  encode, one search) while the free episodes play, each guided episode joining the batch once its experience is
+  there, the experience in the prompt; meanwhile a thread applies `ExperienceAdded` ops to the same bank under its
+  writer lock at `--ops-per-s` — what a concurrently running extractor does to a rollout process (its model runs
+  elsewhere: on its own GPU in a deployment);
 - `with_shared_cores`: `with`, plus a second process generating with a tiny extractor model nonstop on the same
   CPU cores — on a 2-core machine this measures core sharing, not the design, and is printed for honesty.
-Each configuration runs `--repeats` times after a warm-up (`without` and `with` in alternating order, the
-shared-cores runs last); the minimum wall time counts (noise on a
-shared machine only adds time). Fresh retrievers each run, so no query embedding is cached across runs.
+Each configuration runs `--repeats` times (default 7 with `--quick`, 5 otherwise) after a warm-up, `without` and
+`with` back to back in alternating order, the shared-cores runs last. `overhead_ratio` is the median over the repeats
+of each repeat's with / without ratio (the pair ran back to back, so slow spells of a shared machine hit both), the
+wall times and shares are medians too. Fresh retrievers each run, so no query embedding is cached across runs.
+torch runs `--threads` threads, 1 by default (the tiny configs' rollout workers run `generation.threads: 1`): with
+2 on a loaded 2-core machine, OpenMP's team made the tiny actor's generation 5-20x slower at random, and a second
+thread that had run torch (the retrieval thread) lifted that, so the ratio measured OpenMP, not retrieval.
 
-Prints `name=value` lines: `overhead_ratio` (with / without), `overhead_ratio_shared_cores`, `env_steps_per_s`
-(the MiniHack adapter alone with its text rendering, random actions), `rollout_env_steps_per_s` (env steps per
-second of the `without` batch, generation included), and what lies behind them: wall times, env steps played
-(`env_steps_without` / `env_steps_with`: guided prompts are longer and sample other actions, so the batches differ
-in work as well as in retrieval), and the retrieval time of the batch and its share of the `with` wall time.
+Prints `name=value` lines: `overhead_ratio` (goal <= 1.05), `retrieval_blocked_share` (the time the playing loop
+waited on retrieval because every episode in flight was waiting, over the `with` wall time; goal <= 0.01),
+`overhead_ratio_shared_cores`, `env_steps_per_s` (the MiniHack adapter alone with its text rendering, random
+actions), `rollout_env_steps_per_s` (env steps per second of the `without` batch, generation included), and what
+lies behind them: wall times, env steps played (`env_steps_without` / `env_steps_with`: guided prompts are longer and
+sample other actions, so the batches differ in work as well as in retrieval), the retrieval time of the batch (spent
+on the background thread) and its share of the `with` wall time, how many guided episodes started after the first
+generate call (`guided_late_starts`, `calls_late`: the generate calls they sat out) and retrievals that ran past
+the wait (`retrieval_timeouts`, 0 unless the encoder stalls).
 """
 
 from __future__ import annotations
@@ -121,7 +131,7 @@ def extractor_load(stop) -> None:  # type: ignore[no-untyped-def]
         calls += 1
 
 
-def play(policy, batch, retriever) -> tuple[float, int, float]:  # type: ignore[no-untyped-def]
+def play(policy, batch, retriever) -> dict[str, float]:  # type: ignore[no-untyped-def]
     from pipeline.actor.episodes import EpisodePlayer
     from pipeline.actor.settings import RolloutSettings
     from pipeline.envs.settings import EnvSettings
@@ -139,7 +149,11 @@ def play(policy, batch, retriever) -> tuple[float, int, float]:  # type: ignore[
         trajectories += player.play_turn()
     wall = time.perf_counter() - started
     player.close()
-    return wall, sum(t.num_actions for t in trajectories), sum(t.timings.retrieval_s for t in trajectories)
+    stats = player.stats
+    return {"wall": wall, "env_steps": sum(t.num_actions for t in trajectories),
+            "retrieval_s": player.background.busy_s, "blocked_s": stats.blocked_s,
+            "late_starts": stats.late_starts, "calls_late": stats.calls_late, "timeouts": stats.timeouts,
+            "served": sum(bool(t.retrieved) for t in trajectories if t.guided)}
 
 
 def raw_env_steps_per_s(seconds: float) -> float:
@@ -162,14 +176,16 @@ def raw_env_steps_per_s(seconds: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16 episodes x 10 turns, 3 repeats (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="16 episodes x 10 turns, 7 repeats (about a minute)")
     parser.add_argument("--bank", type=int, default=None, help="experiences in the bank (default 1000 / 5000)")
     parser.add_argument("--ops-per-s", type=float, default=20.0, help="ops the concurrent extractor applies")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: as the tiny configs' rollout workers, generation.threads)")
     args = parser.parse_args()
     groups, k, max_turns = (4, 4, 10) if args.quick else (8, 8, 20)
     bank_size = args.bank or (1000 if args.quick else 5000)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (7 if args.quick else 5)
 
     import torch
 
@@ -178,7 +194,7 @@ def main() -> None:
     from pipeline.bank.settings import RetrievalSettings
     from pipeline.models import TinyModelSettings, build_tiny
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     progress("building the tiny actor, the encoder and the bank")
     policy = build_tiny(TinyModelSettings())
     policy.micro_batch_size = 64
@@ -189,18 +205,20 @@ def main() -> None:
     play(policy, free[:k], None)
 
     walls: dict[str, list[float]] = {"without": [], "with": [], "with_shared_cores": []}
-    retrieval_s: list[float] = []
+    runs: list[dict[str, float]] = []
     env_steps = guided_steps = 0
     for repeat in range(repeats):
         progress(f"repeat {repeat + 1}/{repeats}")
         for name in (("without", "with") if repeat % 2 == 0 else ("with", "without")):  # alternate the order
             if name == "without":
-                wall, env_steps, _ = play(policy, free, None)
+                result = play(policy, free, None)
+                env_steps = int(result["env_steps"])
             else:
                 with OpStream(bank, args.ops_per_s):
-                    wall, guided_steps, spent = play(policy, guided, Retriever(bank, encoder, RetrievalSettings()))
-                retrieval_s.append(spent)
-            walls[name].append(wall)
+                    result = play(policy, guided, Retriever(bank, encoder, RetrievalSettings()))
+                guided_steps = int(result["env_steps"])
+                runs.append(result)
+            walls[name].append(result["wall"])
     # Last, so the extractor process cannot slow the other two configurations down.
     stop = multiprocessing.Event()
     load = multiprocessing.Process(target=extractor_load, args=(stop,), daemon=True)
@@ -208,23 +226,31 @@ def main() -> None:
     time.sleep(3.0)  # let it build its model and start generating
     for _ in range(repeats):
         with OpStream(bank, args.ops_per_s):
-            wall, _, _ = play(policy, guided, Retriever(bank, encoder, RetrievalSettings()))
-        walls["with_shared_cores"].append(wall)
+            result = play(policy, guided, Retriever(bank, encoder, RetrievalSettings()))
+        walls["with_shared_cores"].append(result["wall"])
     stop.set()
     load.join(30)
-    best = {name: min(values) for name, values in walls.items()}
+    median = {name: float(np.median(values)) for name, values in walls.items()}
+    ratios = [w / wo for w, wo in zip(walls["with"], walls["without"], strict=True)]
     print(f"episodes={groups * k}")
     print(f"max_turns={max_turns}")
     print(f"bank_experiences={bank_size}")
-    for name, value in best.items():
+    print(f"repeats={repeats}")
+    for name, value in median.items():
         print(f"wall_s_{name}={value:.3f}")
     print(f"env_steps_without={env_steps}")
     print(f"env_steps_with={guided_steps}")
-    print(f"retrieval_s_per_batch={min(retrieval_s):.3f}")
-    print(f"retrieval_share_of_with={min(retrieval_s) / best['with']:.3f}")
-    print(f"overhead_ratio={best['with'] / best['without']:.3f}")
-    print(f"overhead_ratio_shared_cores={best['with_shared_cores'] / best['without']:.3f}")
-    print(f"rollout_env_steps_per_s={env_steps / best['without']:.0f}")
+    print(f"retrieval_s_per_batch={np.median([r['retrieval_s'] for r in runs]):.3f}")
+    print(f"retrieval_share_of_with={np.median([r['retrieval_s'] / r['wall'] for r in runs]):.3f}")
+    print(f"retrieval_blocked_share={np.median([r['blocked_s'] / r['wall'] for r in runs]):.4f}")
+    print(f"guided_late_starts={np.median([r['late_starts'] for r in runs]):.0f}")
+    print(f"calls_late={np.median([r['calls_late'] for r in runs]):.0f}")
+    print(f"retrieval_timeouts={sum(r['timeouts'] for r in runs):.0f}")
+    print(f"guided_served={np.median([r['served'] for r in runs]):.0f}")
+    print(f"overhead_ratios={','.join(f'{r:.3f}' for r in ratios)}")
+    print(f"overhead_ratio={np.median(ratios):.3f}")
+    print(f"overhead_ratio_shared_cores={median['with_shared_cores'] / median['without']:.3f}")
+    print(f"rollout_env_steps_per_s={env_steps / median['without']:.0f}")
     print(f"env_steps_per_s={raw_env_steps_per_s(3.0 if args.quick else 10.0):.0f}")
 
 

@@ -6,11 +6,15 @@ The runner polls `crl.tasks` (a consumer group) and hands every assignment to `h
 poll (`after_poll`, without blocking while episodes are in flight):
 1. drop queued assignments of partitions that moved to another member; load a newer actor version if one is due;
 2. admit queued episodes up to `max_concurrent_episodes`: reset the environment from the task seed; guided slots
-   retrieve the top experience for their query (goal + first observation) through the bank replica — all new guided
-   episodes in one batched call (one embedding call, one index search) — and record the served refs and the bank
+   queue the retrieval of the top experience for their query (goal + first observation) through the bank replica,
+   served in the background (`EpisodePlayer`: one thread, whatever is queued as one batch — one embedding call, one
+   index search) while the episodes already in flight keep playing; each records the served refs and the bank
    offset they came from;
-3. play one turn of every episode in flight with **one batched generation** (prompt: goal, the experience if
-   guided, the last actions, the observation), parse each response into an action, step the environments;
+3. play one turn of every episode in flight that is ready with **one batched generation** (prompt: goal, the
+   experience if guided, the last actions, the observation), parse each response into an action, step the
+   environments. A guided episode joins once its experience is there, or with nothing after
+   `CRL_ROLLOUT__RETRIEVAL_WAIT_S` (then its trajectory has no refs and a null bank offset); the loop waits on
+   retrieval only when every episode in flight is waiting, and no longer than that;
 4. publish the finished episodes with every turn's prompt and response token ids and sampling log-probs, then commit
    the consumed positions — held back to the oldest episode not yet finished, so a stop or a crash re-plays exactly
    the unfinished ones (their ids are deterministic, downstream dedupes).
@@ -21,8 +25,12 @@ the staleness bound, waits for it) and `crl.experience-ops` (the bank replica gu
 runner polls between turns, so long episodes never make the worker leave its consumer group.
 
 Search-and-ask (off by default, `CRL_ROLLOUT__SEARCH_AND_ASK`): a guided episode may answer `ask <question>` up to
-`max_ask_calls` times; the bank is searched with the question and the experience found is shown on the next turn
-and added to the episode's served refs (so it is credited like the first one).
+`max_ask_calls` times; the bank is searched with the question (in the background, like the start retrieval: the
+episode sits out until the answer is there, bounded by the same wait) and the experience found is shown on its next
+turn and added to the episode's served refs (so it is credited like the first one).
+
+The bank replica and the encoder are built at the first guided admission, on the worker's thread (once per process;
+the replica waits up to `replica_wait_s` to catch up).
 """
 
 from __future__ import annotations
@@ -133,7 +141,8 @@ class Rollout(Worker):
     def _load(self, event: PolicyPublished) -> None:
         policy = self.follower.load(event, self.generation.backend, self.generation.device,
                                     micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
-                                    keeping=self.player.version, current=self.player.policy)
+                                    keeping=self.player.version, current=self.player.policy,
+                                    precision=self.generation.precision)
         if policy is not None:
             self.player.policy, self.player.version = policy, event.version
 
@@ -176,7 +185,7 @@ class Rollout(Worker):
             self.finished_window = []
 
     def close(self) -> None:
+        self.player.close()  # first: it stops the thread that serves retrievals from the retriever
         if self.player.retriever is not None:
             self.player.retriever.close()
-        self.player.close()
         self._blas_limit.restore_original_limits()

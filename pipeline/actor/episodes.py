@@ -3,21 +3,45 @@
     player = EpisodePlayer(settings.rollout, settings.envs, run_id="r", producer=producer,
                            retriever=retriever)            # retriever: None when no slot is guided
     player.policy, player.version = policy, 0
-    player.start([(assignment, ("crl.tasks", 0), offset), ...])   # reset envs; one batched retrieval for the guided
+    player.start([(assignment, ("crl.tasks", 0), offset), ...])   # reset envs; guided: retrieval queued, not awaited
     while player.active:
-        finished = player.play_turn()                        # one batched generation over every episode in flight
+        finished = player.play_turn()                        # one batched generation over the episodes ready
+
+Retrieval is off the playing thread. `start` resets the environments and hands the guided episodes' queries to one
+background thread (`BackgroundRetrieval`), which serves whatever is queued when it becomes free as one
+`retrieve_many` batch: one encode of the distinct uncached texts, one index search, queries served in the order they
+were queued. A guided episode stays in `active` (so the worker's commits hold back for it) but sits out the turns
+until its experience is there; `play_turn` first takes in the retrievals that came back, then generates over every
+episode that is ready. An episode still waiting after `RolloutSettings.retrieval_wait_s` joins with nothing: no
+experience in its prompt, no refs, `bank_offset` None on its trajectory (a guided trajectory with a null bank offset
+was served nothing because its retrieval did not come back in time; a bank with nothing for its family still records
+the offset it searched). `play_turn` waits on retrieval only when every episode in flight is waiting, until the
+first retrieval comes back or the first wait runs out (`stats.blocked_s` adds that time up). An `ask` goes the same
+way: the episode sits out until the answer is there (or gets the no-answer reply after the same wait).
+
+Determinism: sampling is seeded per generate call (`seed + calls`) and per row (`row_seed`), so an episode's tokens
+are a function of its prompts and of the (call, row) pairs it was sampled at. Its prompts (goal, observations, the
+experience served) do not depend on when it joins: the experience is what the retrieval served, and retrievals are
+served in queue order with the same ranking as when they were synchronous. Which call an episode starts on, and the
+rows of every episode in a call, did already depend on arrival timing in a worker (polls, episodes finishing); they
+now also depend on retrieval latency, and in direct use of the player (tests, benchmarks) with guided episodes they
+now depend on timing where they did not before. Free episodes with no retriever in play are as deterministic as
+before. Making tokens independent of batch composition altogether needs per-episode seeds in `generate`.
 
 The prompt holds the goal, the served experience (guided episodes), the last actions and the observation (a chat
 model gets it as the user message of its chat template, after `ACTOR_SYSTEM`); the recorded `Turn.observation` is
 the environment's text alone, so the extractor never sees the experience it is
-asked to judge. Timings per episode: its share of each batched generation and retrieval, and its own env time.
+asked to judge. Timings per episode: its share of each batched generation, its own env time, and the time it waited
+for retrieval before it could play (`retrieval_s`: from admission, or from its `ask`, to joining).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,9 +57,11 @@ from schemas.tasks import EpisodeAssigned
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 
 if TYPE_CHECKING:
-    from pipeline.bank.retrieval import Retriever
+    from pipeline.bank.retrieval import Query, Retrieval, Retriever
 
 ASK = "ask"
+NO_ANSWER = "nothing relevant in the experience bank"
+"""What an `ask` is shown when the bank found nothing, or did not answer within `retrieval_wait_s`."""
 ACTOR_SYSTEM = ("You play a text game. Read the goal and the observation, then reply with exactly one of the listed "
                 "actions on one line.")
 """The system message a chat model is prompted with (`PolicyModel.prompt_ids`); models without a chat template, the
@@ -68,6 +94,15 @@ class Episode:
     success: bool = False
     truncated: bool = False
     done: bool = False
+    pending: Future[Retrieval] | None = None
+    """The retrieval this episode waits for (its experience, or the answer to its `ask`); None: ready to play."""
+    pending_since: float = 0.0
+    """`time.monotonic()` when that retrieval was queued: the wait bound counts from there."""
+    admitted_call: int = 0
+    """The player's generate-call count when the episode was admitted (its first turn is this call if it did not
+    wait)."""
+    retrieval_timed_out: bool = False
+    """Its start retrieval did not come back within `retrieval_wait_s`: it was played without an experience."""
 
 
 def actor_prompt(episode: Episode, history_turns: int, asks_left: int) -> str:
@@ -119,6 +154,92 @@ class EnvPool:
                 env.close()
 
 
+@dataclass
+class _Request:
+    retriever: Retriever
+    query: Query
+    future: Future[Retrieval]
+
+
+class BackgroundRetrieval:
+    """Retrievals served on one background thread, in the order they were queued. Whatever is queued when the
+    thread becomes free (for one retriever) is served as one `retrieve_many` batch: one encode of the distinct uncached
+    texts and one index search, as a synchronous batch would be; each request's future gets its `Retrieval` or the
+    batch's exception."""
+
+    def __init__(self) -> None:
+        self._queue: list[_Request] = []
+        self._condition = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.batches = 0
+        self.queries = 0
+        self.busy_s = 0.0
+        """Seconds spent in `retrieve_many` (off the playing thread)."""
+
+    def submit(self, retriever: Retriever, queries: Sequence[Query]) -> list[Future[Retrieval]]:
+        requests = [_Request(retriever, query, Future()) for query in queries]
+        with self._condition:
+            if self._closed:
+                raise InvalidStateError("the episode player is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="episode-retrieval", daemon=True)
+                self._thread.start()
+            self._queue += requests
+            self._condition.notify()
+        return [request.future for request in requests]
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue and not self._closed:
+                    self._condition.wait()
+                if self._closed:
+                    return
+                retriever = self._queue[0].retriever
+                batch = []
+                while self._queue and self._queue[0].retriever is retriever:
+                    batch.append(self._queue.pop(0))
+            started = time.perf_counter()
+            try:
+                found = retriever.retrieve_many([request.query for request in batch])
+            except BaseException as exc:  # noqa: BLE001 - each waiting episode raises it where it joins
+                for request in batch:
+                    request.future.set_exception(exc)
+            else:
+                for request, retrieval in zip(batch, found, strict=True):
+                    request.future.set_result(retrieval)
+            self.busy_s += time.perf_counter() - started
+            self.batches += 1
+            self.queries += len(batch)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the batch being served; requests not yet served are cancelled. Idempotent."""
+        with self._condition:
+            self._closed = True
+            for request in self._queue:
+                request.future.cancel()
+            self._queue.clear()
+            self._condition.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+
+@dataclass
+class RetrievalStats:
+    """How retrieval affected the playing loop (totals since the player was built)."""
+
+    blocked_s: float = 0.0
+    """Seconds `play_turn` waited on retrieval because every episode in flight was waiting."""
+    late_starts: int = 0
+    """Episodes whose first turn came after the generate call they were admitted at."""
+    calls_late: int = 0
+    """Generate calls those episodes missed while waiting, summed."""
+    timeouts: int = 0
+    """Retrievals given up after `retrieval_wait_s` (starts and asks)."""
+
+
 class EpisodePlayer:
     """Episodes in flight, played one batched turn at a time with `policy` (set `policy` and `version` first)."""
 
@@ -137,42 +258,93 @@ class EpisodePlayer:
         self.active: list[Episode] = []
         self.seed = seed
         self.calls = 0
+        self.background = BackgroundRetrieval()
+        self.stats = RetrievalStats()
+
+    @property
+    def waiting(self) -> list[Episode]:
+        """Episodes in flight waiting for a retrieval."""
+        return [e for e in self.active if e.pending is not None]
 
     def start(self, assignments: Sequence[tuple[EpisodeAssigned, Position, int]]) -> None:
-        """Reset an environment per assignment; guided ones get their experience in one batched retrieval."""
-        started_episodes = []
-        for assignment, position, offset in assignments:
-            env = self.envs.get(assignment)
-            started = time.perf_counter()
-            goal, observation = env.reset(assignment.seed)
-            episode = Episode(assignment, position, offset, env, goal, observation)
-            episode.env_s += time.perf_counter() - started
-            started_episodes.append(episode)
-        guided = [e for e in started_episodes if e.assignment.guided]
-        if guided:
-            self._retrieve(guided, [e.observation for e in guided])
-        self.active += started_episodes
+        """Reset an environment per assignment; guided ones queue their retrieval (in the background) and join the
+        batch when it is there. Returns without waiting for it. The guided environments are reset first, so their
+        retrieval runs while the free ones are reset; the episodes join `active` in the order given."""
+        if self.retriever is None and any(assignment.guided for assignment, _, _ in assignments):
+            raise InvalidStateError("guided episodes need a retriever")
+        started_episodes: dict[int, Episode] = {}
+        for guided in (True, False):
+            for index, (assignment, position, offset) in enumerate(assignments):
+                if assignment.guided != guided:
+                    continue
+                env = self.envs.get(assignment)
+                started = time.perf_counter()
+                goal, observation = env.reset(assignment.seed)
+                episode = Episode(assignment, position, offset, env, goal, observation, admitted_call=self.calls)
+                episode.env_s += time.perf_counter() - started
+                started_episodes[index] = episode
+            if guided and started_episodes:
+                self._request(list(started_episodes.values()), [e.observation for e in started_episodes.values()])
+        self.active += [started_episodes[index] for index in range(len(assignments))]
 
-    def _retrieve(self, episodes: list[Episode], questions: list[str]) -> None:
+    def _request(self, episodes: list[Episode], questions: list[str]) -> None:
+        """Queue one retrieval per episode (its start query, or the question it asked); they wait for it."""
         from pipeline.bank.retrieval import Query, query_text
 
         if self.retriever is None:
             raise InvalidStateError("guided episodes need a retriever")
-        started = time.perf_counter()
-        found = self.retriever.retrieve_many([Query(query_text(e.goal, q), e.assignment.task_family, e.assignment.step)
-                                              for e, q in zip(episodes, questions, strict=True)])
-        share = (time.perf_counter() - started) / len(episodes)
-        for episode, retrieval in zip(episodes, found, strict=True):
-            episode.retrieval_s += share
-            episode.bank_offset = retrieval.bank_offset
-            text = retrieval.experiences[0].text if retrieval.experiences else None
-            if episode.turns:
-                episode.answer = text or "nothing relevant in the experience bank"
-            else:
-                episode.experience = text
-            for experience in retrieval.experiences:
-                if experience.ref() not in episode.retrieved:
-                    episode.retrieved.append(experience.ref())
+        futures = self.background.submit(self.retriever, [
+            Query(query_text(e.goal, q), e.assignment.task_family, e.assignment.step)
+            for e, q in zip(episodes, questions, strict=True)])
+        now = time.monotonic()
+        for episode, future in zip(episodes, futures, strict=True):
+            episode.pending, episode.pending_since = future, now
+
+    def _take_in(self) -> None:
+        """Serve the episodes whose retrieval came back; give up on those past `retrieval_wait_s`."""
+        now = time.monotonic()
+        for episode in self.waiting:
+            assert episode.pending is not None
+            waited = now - episode.pending_since
+            if episode.pending.done():
+                retrieval = episode.pending.result()  # a failed retrieval raises here, as it did synchronously
+                episode.pending, episode.retrieval_s = None, episode.retrieval_s + waited
+                self._serve(episode, retrieval)
+            elif waited >= self.settings.retrieval_wait_s:
+                # The late result is dropped when it comes (the retriever has counted it as served all the same).
+                episode.pending, episode.retrieval_s = None, episode.retrieval_s + waited
+                self.stats.timeouts += 1
+                if episode.turns:
+                    episode.answer = NO_ANSWER
+                else:
+                    episode.retrieval_timed_out = True
+
+    @staticmethod
+    def _serve(episode: Episode, retrieval: Retrieval) -> None:
+        episode.bank_offset = retrieval.bank_offset
+        text = retrieval.experiences[0].text if retrieval.experiences else None
+        if episode.turns:
+            episode.answer = text or NO_ANSWER
+        else:
+            episode.experience = text
+        for experience in retrieval.experiences:
+            if experience.ref() not in episode.retrieved:
+                episode.retrieved.append(experience.ref())
+
+    def _ready(self) -> list[Episode]:
+        """The episodes that play this turn. When every episode in flight waits for a retrieval, wait (bounded by
+        the first wait to run out) until one of them can play."""
+        self._take_in()
+        ready = [e for e in self.active if e.pending is None]
+        while self.active and not ready:
+            started = time.monotonic()
+            deadline = min(e.pending_since for e in self.waiting) + self.settings.retrieval_wait_s
+            wait([e.pending for e in self.waiting if e.pending is not None], timeout=max(0.0, deadline - started),
+                 return_when=FIRST_COMPLETED)
+            self.stats.blocked_s += time.monotonic() - started
+            self._take_in()
+            ready = [e for e in self.active if e.pending is None]
+        return ready
 
     def asks_left(self, episode: Episode) -> int:
         if not (self.settings.search_and_ask and episode.assignment.guided):
@@ -180,17 +352,25 @@ class EpisodePlayer:
         return self.settings.max_ask_calls - episode.asks
 
     def play_turn(self) -> list[TrajectoryCompleted]:
-        """One batched generation over every episode in flight; returns the episodes that finished."""
+        """One batched generation over every episode in flight that is not waiting for a retrieval (waiting, bounded,
+        only when all of them are); returns the episodes that finished."""
         if self.policy is None:
             raise InvalidStateError("no policy loaded")
+        ready = self._ready()
+        if not ready:
+            return []
+        for episode in ready:
+            if not episode.turns and self.calls > episode.admitted_call:
+                self.stats.late_starts += 1
+                self.stats.calls_late += self.calls - episode.admitted_call
         prompts = [self.policy.prompt_ids(actor_prompt(e, self.settings.history_turns, self.asks_left(e)), ACTOR_SYSTEM)
-                   for e in self.active]
+                   for e in ready]
         started = time.perf_counter()
         generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31)
         self.calls += 1
-        share = (time.perf_counter() - started) / len(self.active)
+        share = (time.perf_counter() - started) / len(ready)
         questions: list[tuple[Episode, str]] = []
-        for episode, generation in zip(self.active, generations, strict=True):
+        for episode, generation in zip(ready, generations, strict=True):
             episode.generation_s += share
             shown = episode.observation
             response = generation.text
@@ -217,7 +397,7 @@ class EpisodePlayer:
                 response_token_ids=generation.token_ids, sampling_logprobs=generation.logprobs,
                 response_text=response, action=action, valid=valid, reward=reward))
         if questions:
-            self._retrieve([e for e, _ in questions], [q for _, q in questions])
+            self._request([e for e, _ in questions], [q for _, q in questions])
         finished = [e for e in self.active if e.done]
         self.active = [e for e in self.active if not e.done]
         return [self._trajectory(e) for e in finished]
@@ -240,4 +420,5 @@ class EpisodePlayer:
         )
 
     def close(self) -> None:
+        self.background.close()
         self.envs.close()

@@ -65,4 +65,12 @@ class RolloutSettings(BaseModel):
     replica_wait_s: float = Field(
         default=5.0, ge=0, description="At start, how long to wait for the bank replica to catch up (no barrier "
         "after that: each trajectory records the bank offset it was served from).")
+    retrieval_wait_s: float = Field(
+        default=10.0, gt=0,
+        description="How long a guided episode may wait for its experience: its retrieval runs in the background "
+        "from admission (an `ask` from when it was asked) while the other episodes keep playing, and the episode "
+        "joins the batch as soon as the experience is there. Past this wait it joins with nothing (an `ask` gets "
+        "the no-answer reply); a guided trajectory served nothing this way records no refs and `bank_offset` null. "
+        "The playing loop itself waits on retrieval only when every episode in flight is waiting, and never longer "
+        "than this.")
     metrics_every: int = Field(default=32, gt=0, description="Log rollout metrics every N finished episodes.")
