@@ -366,7 +366,10 @@ class EpisodePlayer:
         prompts = [self.policy.prompt_ids(actor_prompt(e, self.settings.history_turns, self.asks_left(e)), ACTOR_SYSTEM)
                    for e in ready]
         started = time.perf_counter()
-        generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31)
+        # Each episode is a session: its next prompt shares the system message, goal and experience with its last,
+        # whose keys and values the policy kept (`PolicyModel.generate`), so only the rest is prefilled again.
+        generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31,
+                                           sessions=[e.assignment.event_id for e in ready])
         self.calls += 1
         share = (time.perf_counter() - started) / len(ready)
         questions: list[tuple[Episode, str]] = []
@@ -400,6 +403,7 @@ class EpisodePlayer:
             self._request([e for e, _ in questions], [q for _, q in questions])
         finished = [e for e in self.active if e.done]
         self.active = [e for e in self.active if not e.done]
+        self.policy.end_sessions(e.assignment.event_id for e in finished)
         return [self._trajectory(e) for e in finished]
 
     def _trajectory(self, episode: Episode) -> TrajectoryCompleted:

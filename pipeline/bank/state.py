@@ -400,4 +400,4 @@ def _kind_of(op: ExperienceOp) -> tuple[_Check, _Change]:
     for kind, handlers in _BY_KIND.items():
         if isinstance(op, kind):
             return handlers
-    raise TypeError(f"not an experience op: {type(op).__name__}")
+    raise InvalidArgumentError(f"not an experience op: {type(op).__name__}")

@@ -20,12 +20,13 @@ covers all of them (the vocabulary-sized logits dominate memory, so only those p
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -55,6 +56,53 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if declared in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _preallocate(cache: Any, tokens: int) -> None:
+    """Give every layer of a `DynamicCache` room for `tokens` more positions, so decoding writes each step's keys and
+    values in place instead of concatenating the whole cache anew (a `torch.cat` per layer and step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer or not layer.is_initialized:
+            continue  # sliding-window and other layer kinds keep their own update
+        cache.layers[index] = _preallocated_layer_class()(cast(torch.Tensor, layer.keys),
+                                                          cast(torch.Tensor, layer.values), tokens)
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """`DynamicLayer` with its storage allocated ahead (defined on first use: transformers loads lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            shape = (*keys.shape[:-2], keys.shape[-2] + room, keys.shape[-1])
+            self.key_buffer, self.value_buffer = keys.new_empty(shape), values.new_empty(shape)
+            self._set(keys, values, 0)
+
+        def _set(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+            end = start + keys.shape[-2]
+            self.key_buffer[..., start:end, :] = keys
+            self.value_buffer[..., start:end, :] = values
+            self.length = end
+            filled = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+            self.keys, self.values = filled
+            return filled
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.length + key_states.shape[-2] > self.key_buffer.shape[-2]:  # out of room: grow by concatenating
+                self.key_buffer = torch.cat([self.key_buffer[..., : self.length, :], key_states], dim=-2)
+                self.value_buffer = torch.cat([self.value_buffer[..., : self.length, :], value_states], dim=-2)
+                self.length = self.key_buffer.shape[-2]
+                self.keys, self.values = self.key_buffer, self.value_buffer
+                return self.key_buffer, self.value_buffer
+            return self._set(key_states, value_states, self.length)
+
+    return PreallocatedLayer
 
 
 @dataclass
@@ -144,10 +192,10 @@ class TransformersPolicy(PolicyModel):
             raise InvalidArgumentError(f"unknown precision {precision!r}; valid values: float32, bfloat16")
         import copy
 
-        from pipeline.models.lora import is_lora
+        from peft import PeftModel
 
         model: Any = copy.deepcopy(self.model)
-        if is_lora(model):
+        if isinstance(model, PeftModel):
             model = model.merge_and_unload()
         model.to(torch.bfloat16)
         copied = TransformersPolicy(model, self.tokenizer, device=str(self.device),
@@ -228,6 +276,7 @@ class TransformersPolicy(PolicyModel):
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         self._keep(sessions, prompt_ids, reused, past_width, width, cache)
+        _preallocate(cache, sampling.max_new_tokens)
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_position = position_ids[:, -1:] + 1  # (B, 1)
 

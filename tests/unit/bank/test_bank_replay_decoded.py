@@ -15,6 +15,7 @@ import pytest
 from pipeline.bank.replay import Checkpoint, replay
 from pipeline.bank.state import Applied, BankState, Duplicate, Outcome, Rejected, _frozen_key, decode_op
 from pipeline.bank.synthetic import synthetic_op_log
+from pipeline.errors import InvalidArgumentError
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.codec import encode
@@ -99,5 +100,5 @@ def test_a_subclass_of_an_op_kind_is_applied_as_its_kind_and_a_non_op_is_refused
     state, outcomes = apply_all([op, sub])
     assert outcomes == [Applied("o1", ("e1",)), Applied("o2", ("e2",))]
     assert state.experiences["e2"].history[0].op_kind == "PatchedAdded"
-    with pytest.raises(TypeError, match="not an experience op: SimpleNamespace"):
+    with pytest.raises(InvalidArgumentError, match="not an experience op: SimpleNamespace"):
         BankState().apply(SimpleNamespace(run_id="r", op_id="o9"), 0)  # type: ignore[arg-type]
