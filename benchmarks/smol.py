@@ -12,8 +12,8 @@ Each measurement runs in its own process (its peak memory is its own), on `--thr
   `step_tokens_per_s_lora_bound` (a LoRA update: forward 2N + backward through the activations 2N, no weight
   gradients for frozen layers: bf16 rate / 4N). Attention is left out of the bounds (short prompts), so they are
   a little high. Each figure below is printed with `_share` of its bound.
-- `before`: the code as it ran before bfloat16 and sessions, measured again: float32 weights for generation and
-  updates, every turn's prompt prefilled whole.
+- `before`: the settings as they were before bfloat16 and sessions, measured again: float32 weights for generation
+  and updates, every turn's prompt prefilled whole (the decode loop's preallocated cache is in both).
 - `after`: the defaults of the SmolLM2 configs: generation from a bfloat16 copy (`generation.precision`), updates
   under bfloat16 autocast on float32 weights (`model.precision`), turns of an episode continuing their session.
 
@@ -128,7 +128,7 @@ def generation(precision: str, threads: int) -> dict:
     result = {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": prefill_s, "generate_s": generate_s,
               "new_tokens": new_tokens, "decode_steps": max(len(g.token_ids) for g in generations)}
     # A second turn: what a session saves. Turn 1 then turn 2 (turn 1's prompt, its answer, a new observation).
-    sessions = list(range(len(prompts)))
+    sessions = list(range(len(prompts))) if precision == "bfloat16" else None  # the before prefilled every turn
     first = policy.generate(prompts, SamplingParams(max_new_tokens=6, stop=("\n",)), seed=2, sessions=sessions)
     follow_up = policy.encode("\nObservation: you moved. Action:")
     second = [list(g.prompt_token_ids) + list(g.token_ids) + follow_up for g in first]

@@ -30,9 +30,11 @@ before. Making tokens independent of batch composition altogether needs per-epis
 
 The prompt holds the goal, the served experience (guided episodes), the last actions and the observation (a chat
 model gets it as the user message of its chat template, after `ACTOR_SYSTEM`); the recorded `Turn.observation` is
-the environment's text alone, so the extractor never sees the experience it is
-asked to judge. Timings per episode: its share of each batched generation, its own env time, and the time it waited
-for retrieval before it could play (`retrieval_s`: from admission, or from its `ask`, to joining).
+the environment's text alone, so the extractor never sees the experience it is asked to judge. Each episode is a
+generation session (`PolicyModel.generate(..., sessions=...)`): its next prompt repeats the system message, goal and
+experience of its last, so a backend that keeps a session's keys and values prefills only what the turn adds; the
+session ends with the episode. Timings per episode: its share of each batched generation, its own env time, and the
+time it waited for retrieval before it could play (`retrieval_s`: from admission, or from its `ask`, to joining).
 """
 
 from __future__ import annotations

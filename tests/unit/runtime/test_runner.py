@@ -435,3 +435,31 @@ def test_a_state_flush_failing_past_the_outage_time_fails_the_worker_without_com
         runner.run()
     assert input_log.committed == {} and output.delivered == []
     assert runner.metrics.retries >= 2
+
+
+def test_wait_seconds_count_the_polls_of_an_idle_worker_and_not_those_of_a_busy_one():
+    import time
+
+    from pipeline.runtime.harness import MemoryInput
+    from pipeline.runtime.runner import Limits, WorkerRunner
+
+    class SlowEmptyInput(MemoryInput):
+        def poll(self, timeout_ms: int) -> list:
+            time.sleep(0.02)  # as a broker poll blocks until its timeout when nothing arrives
+            return []
+
+    class Busy(EchoStop):
+        @property
+        def busy(self) -> bool:
+            return True
+
+    waited = {}
+    for worker in (EchoStop(), Busy()):
+        journal = Journal()
+        runner = WorkerRunner(worker, input_log=SlowEmptyInput([], journal), output_log=MemoryOutput(journal),
+                              producer=PRODUCER, run_id="unit-run", max_payload_bytes=1 << 20,
+                              limits=Limits(max_polls=5))
+        runner.run()
+        waited[type(worker).__name__] = runner.metrics.wait_seconds
+    assert waited["EchoStop"] >= 5 * 0.02
+    assert waited["Busy"] == 0.0
