@@ -16,6 +16,11 @@ Layouts. Generation: the prompts of one micro-batch are left-padded so every row
 column; position ids come from the attention mask's cumulative sum, so padding shifts nothing. Scoring: left-padded
 prompt then right-padded response, so every response starts at the same column and one `logits_to_keep` slice
 covers all of them (the vocabulary-sized logits dominate memory, so only those positions are projected).
+
+Sessions: a row given a session reuses the keys and values kept from that session's last prompt for their common
+prefix; the layout is then [pad | reused prefix] [pad | the rest of the prompt], positions still from the mask's
+cumulative sum. Decoding writes into cache storage allocated for `max_new_tokens` ahead. `for_generation("bfloat16")`
+is the copy generating workers sample from (bfloat16 weights, a LoRA adapter merged in).
 """
 
 from __future__ import annotations
