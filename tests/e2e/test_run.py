@@ -27,12 +27,14 @@ def _crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.Co
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], str]:
     run_dir = tmp_path_factory.mktemp("e2e") / "tiny"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    # Three steps of two groups of 8 (two warm-up steps fill the bank, the third is guided), a merge after step 1,
-    # and an evaluation of 4 unseen rooms before training and at the last step.
+    # Four steps of two groups of 8 (two warm-up steps fill the bank, the third and fourth are guided), a merge after
+    # step 1, and an evaluation of 4 unseen rooms before training and at the last step. The merge races step 2: it can
+    # retire every lesson step 2's guided episodes were served before they are distilled (a retired lesson is not
+    # shown to the extractor, so nothing of step 2 is refined); step 3 is served after the merge.
     env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2",
                 "CRL_ACTOR_TRAINER__WARMUP_STEPS": "2", "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2",
                 "CRL_ENVS__EVAL_TASKS_PER_ENV": "4"})
-    result = _crl("run", "configs/tiny-minihack-room.yaml", "--steps", "3", "--run-dir", str(run_dir), env=env,
+    result = _crl("run", "configs/tiny-minihack-room.yaml", "--steps", "4", "--run-dir", str(run_dir), env=env,
                   timeout=1200)
     output = result.stdout + result.stderr
     if result.returncode != 0:
@@ -47,9 +49,9 @@ def test_the_run_completes_and_points_at_what_to_do_next(finished_run):
     # what the run says of its learning: the fixed eval pool before training and at the last step, with intervals
     for kind in ("guided", "free"):
         line = next(x for x in output.splitlines() if x.startswith(f"eval success, unseen tasks (4), {kind}: "))
-        assert " at step 0 -> " in line and " at step 2: " in line
-        assert line.split(" at step 2: ")[1].startswith(("rose", "fell", "no clear change")), line
-    assert "  guided - free at step 2: " in output
+        assert " at step 0 -> " in line and " at step 3: " in line
+        assert line.split(" at step 3: ")[1].startswith(("rose", "fell", "no clear change")), line
+    assert "  guided - free at step 3: " in output
     assert f"crl replay bank {run_dir}" in output and f"crl audit experience {run_dir}" in output
     assert not (run_dir / "broker.json").exists(), "the broker was stopped and its address file removed"
     for name in ("archive", "checkpoints", "logs", "metrics", "bank/snapshots", "report"):
@@ -68,7 +70,7 @@ def test_the_log_holds_the_whole_loop(finished_run):
         assert config["actor_trainer"]["warm_start"]["steps"] > 0  # the warm starts are recorded switches
         assert config["extractor_trainer"]["warm_start"]["steps"] > 0
         assert one("SELECT status FROM run_finished") == "completed"
-        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 3 * 16
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 4 * 16
         # step 2 is guided: half of each group, served experiences distilled from steps 0 and 1 (there is no
         # barrier: an episode that starts before any distillation of its family is applied is served nothing)
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step = 2 AND guided") == 8
@@ -77,12 +79,12 @@ def test_the_log_holds_the_whole_loop(finished_run):
         assert one("SELECT count(*) FROM trajectories WHERE NOT guided AND served != '[]'") == 0
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step < 2 AND guided") == 0
         # every train trajectory was distilled once, and the merge after step 1 ran
-        assert one("SELECT count(*) FROM extraction_generated WHERE purpose = 'distill'") == 48
+        assert one("SELECT count(*) FROM extraction_generated WHERE purpose = 'distill'") == 64
         assert one("SELECT count(*) FROM extraction_generated WHERE purpose = 'merge'") >= 1
         assert one("SELECT count(*) FROM extraction_generated WHERE parse_status = 'ok'") >= 24
         assert one("SELECT count(*) FROM experience_added") >= 16
         assert one("SELECT count(*) FROM experience_refined") >= 1
-        assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 1  # step 2; 0 and 1 are warm-up
+        assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2  # steps 2, 3; 0, 1 warm up
         assert one("SELECT count(*) FROM policy_versions WHERE role = 'extractor'") >= 1
 
 
@@ -93,7 +95,7 @@ def test_replays_match_the_live_run(finished_run):
     assert "live SQL bank" in bank.stdout and "snapshot" in bank.stdout and "NO" not in bank.stdout
     train = _crl("replay", "train", str(run_dir), env=env, timeout=600)
     assert train.returncode == 0, train.stdout + train.stderr
-    assert "actor: 1 steps replayed, every weight hash matches" in train.stdout
+    assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
 
 
 def test_an_experience_with_two_versions_can_be_audited(finished_run):
