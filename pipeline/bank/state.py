@@ -192,11 +192,6 @@ class BankState:
                     f" the bank has version {experience.version}")
         return None
 
-    def _check(self, op: ExperienceOp) -> str | None:
-        """Why `op` cannot be applied, or None."""
-        check, _ = _BY_KIND.get(type(op)) or _kind_of(op)
-        return check(self, op)
-
     def _check_added(self, op: ExperienceAdded) -> str | None:
         if op.experience_id in self.experiences:
             return f"experience {op.experience_id} already exists"
@@ -224,10 +219,6 @@ class BankState:
     def _remember_key_space(self, key: EmbeddingVector) -> None:
         if self.key_model is None:
             self.key_model, self.key_dim = key.model, key.dim
-
-    def _change(self, op: ExperienceOp, offset: int) -> tuple[str, ...]:
-        _, change = _BY_KIND.get(type(op)) or _kind_of(op)
-        return change(self, op, offset)
 
     def _create(self, op: ExperienceAdded | ExperienceMerged, offset: int, parents: tuple[str, ...],
                 sources: tuple[str, ...]) -> None:
