@@ -5,6 +5,7 @@ become exit codes only at the CLI edge (`pipeline.cli.common.EXIT_CODES`).
 - `PoisonMessageError`: this input can never be processed; the runner writes a dead letter and moves on.
 - `ConfigError` (and `EnvUnavailableError`): the settings or the environment are wrong; nothing starts.
 - `HashMismatchError` (and `CheckpointError`): recorded and actual hashes differ; every `crl replay` mismatch is one.
+- `EngineCrashedError`: an environment's engine failed mid-episode; that episode fails with the reason, not the worker.
 - `WorkerFailedError`: a worker gave up; its inputs stay uncommitted.
 - `RunFailedError`: `crl run` stopped because a worker kept crashing or the broker died.
 - `InvalidArgumentError`, `UnknownItemError`, `InvalidStateError`: a caller's mistake.
@@ -23,7 +24,8 @@ from infra.errors import (
 )
 
 __all__ = [
-    "AuditQueryError", "BrokerError", "CheckpointError", "ConfigError", "EnvUnavailableError", "HashMismatchError",
+    "AuditQueryError", "BrokerError", "CheckpointError", "ConfigError", "EngineCrashedError", "EnvUnavailableError",
+    "HashMismatchError",
     "InvalidArgumentError", "InvalidStateError", "ParseError", "PipelineError", "PoisonMessageError",
     "RetryableError", "RunFailedError", "SnapshotError", "UnknownItemError", "WorkerFailedError",
 ]
@@ -44,6 +46,11 @@ class SnapshotError(HashMismatchError):
 
 class EnvUnavailableError(ConfigError):
     """An environment whose package, data or service is not on this machine; the message says how to get it."""
+
+
+class EngineCrashedError(PipelineError):
+    """An environment's engine (a JVM behind py4j) died or threw while resetting or stepping: the episode it played
+    ends as failed with this message as its recorded reason; the next episode gets a fresh engine."""
 
 
 class AuditQueryError(InvalidArgumentError):

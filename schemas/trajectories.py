@@ -88,6 +88,14 @@ class TrajectoryCompleted(Event):
     )
     policy_version: NonNegativeInt = Field(description="Actor version that generated every turn.")
     timings: Timings
+    score: float | None = Field(
+        default=None, description="The environment's own progress score when the episode ended (0-1; ScienceWorld's "
+        "falls below 0 on a failed task), where it keeps one (the text worlds). The reward stays the outcome reward.")
+    env_error: str | None = Field(
+        default=None, description="Why the environment's engine failed this episode (it crashed or threw while "
+        "resetting or stepping); None: the episode ran to its end. Such an episode is a failure on the log but "
+        "carries no learning signal: the trainers give it no advantage, the extractor neither distils it nor is "
+        "credited by it.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrajectoryCompleted:
@@ -97,4 +105,6 @@ class TrajectoryCompleted(Event):
             raise ValueError("bank_offset is required when experiences were retrieved")
         if self.invalid_actions > self.num_actions:
             raise ValueError("invalid_actions cannot exceed num_actions")
+        if self.env_error is not None and self.success:
+            raise ValueError("an episode whose engine failed cannot be a success")
         return self

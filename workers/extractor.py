@@ -170,6 +170,8 @@ class Extractor(Worker):
     def _distils(self, trajectory: TrajectoryCompleted) -> bool:
         if trajectory.split != "train":
             return False  # evaluation episodes measure the bank; distilling them would leak the eval pool into it
+        if trajectory.env_error is not None:
+            return False  # the engine failed it: there is nothing to learn from how it ended
         return self.settings.distill == "all" or trajectory.guided
 
     def _follow_policy(self) -> None:

@@ -35,10 +35,15 @@ generation session (`PolicyModel.generate(..., sessions=...)`): its next prompt 
 experience of its last, so a backend that keeps a session's keys and values prefills only what the turn adds; the
 session ends with the episode. Timings per episode: its share of each batched generation, its own env time, and the
 time it waited for retrieval before it could play (`retrieval_s`: from admission, or from its `ask`, to joining).
+
+An engine that fails (`EngineCrashedError`: a text world's JVM died or threw) fails only the episode it was playing:
+it finishes at once, unsuccessful, with the reason in `TrajectoryCompleted.env_error` (the turn whose step failed is
+recorded, as invalid); the environment opens a fresh engine at its next reset, and the worker plays on.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -51,7 +56,7 @@ from pipeline.actor.settings import RolloutSettings
 from pipeline.envs.base import TextEnv
 from pipeline.envs.registry import make_env
 from pipeline.envs.settings import EnvSettings
-from pipeline.errors import InvalidStateError
+from pipeline.errors import EngineCrashedError, InvalidStateError
 from pipeline.models.base import PolicyModel, SamplingParams
 from pipeline.runtime.transport import Position
 from schemas.base import Producer
@@ -60,6 +65,8 @@ from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Tu
 
 if TYPE_CHECKING:
     from pipeline.bank.retrieval import Query, Retrieval, Retriever
+
+log = logging.getLogger(__name__)
 
 ASK = "ask"
 NO_ANSWER = "nothing relevant in the experience bank"
@@ -105,6 +112,10 @@ class Episode:
     wait)."""
     retrieval_timed_out: bool = False
     """Its start retrieval did not come back within `retrieval_wait_s`: it was played without an experience."""
+    score: float | None = None
+    """The environment's own progress score after the last step, where it keeps one."""
+    env_error: str | None = None
+    """Why its engine failed it (`EngineCrashedError`): the episode ended there, as a failure."""
 
 
 def actor_prompt(episode: Episode, history_turns: int, asks_left: int) -> str:
@@ -281,13 +292,35 @@ class EpisodePlayer:
                     continue
                 env = self.envs.get(assignment)
                 started = time.perf_counter()
-                goal, observation = env.reset(assignment.seed)
-                episode = Episode(assignment, position, offset, env, goal, observation, admitted_call=self.calls)
+                try:
+                    goal, observation = env.reset(assignment.seed)
+                except EngineCrashedError as exc:
+                    # The episode fails here with the reason; the env opens a fresh engine at its next reset.
+                    episode = Episode(assignment, position, offset, env, "", "", admitted_call=self.calls,
+                                      done=True, env_error=str(exc))
+                    self._crashed(episode, exc)
+                else:
+                    episode = Episode(assignment, position, offset, env, goal, observation, admitted_call=self.calls)
                 episode.env_s += time.perf_counter() - started
                 started_episodes[index] = episode
-            if guided and started_episodes:
-                self._request(list(started_episodes.values()), [e.observation for e in started_episodes.values()])
+            playing = [e for e in started_episodes.values() if not e.done and e.assignment.guided]
+            if guided and playing:
+                self._request(playing, [e.observation for e in playing])
         self.active += [started_episodes[index] for index in range(len(assignments))]
+
+    def take_failed(self) -> list[TrajectoryCompleted]:
+        """The episodes whose engine failed at their reset (`start`), as finished trajectories; `play_turn` returns
+        them too, so a caller that only plays turns misses none."""
+        failed = [e for e in self.active if e.done]
+        self.active = [e for e in self.active if not e.done]
+        return [self._trajectory(e) for e in failed]
+
+    @staticmethod
+    def _crashed(episode: Episode, exc: EngineCrashedError) -> None:
+        log.warning("%s seed %d: %s; the episode fails, the next one gets a fresh engine",
+                    episode.assignment.env_id, episode.assignment.seed, exc)
+        episode.done, episode.success, episode.env_error = True, False, str(exc)
+        episode.outcome_reward = episode.env.failure_reward
 
     def _request(self, episodes: list[Episode], questions: list[str]) -> None:
         """Queue one retrieval per episode (its start query, or the question it asked); they wait for it."""
@@ -358,9 +391,10 @@ class EpisodePlayer:
         only when all of them are); returns the episodes that finished."""
         if self.policy is None:
             raise InvalidStateError("no policy loaded")
+        failed = self.take_failed()
         ready = self._ready()
         if not ready:
-            return []
+            return failed
         for episode in ready:
             if not episode.turns and self.calls > episode.admitted_call:
                 self.stats.late_starts += 1
@@ -387,12 +421,25 @@ class EpisodePlayer:
                 action, valid, reward = f"{ASK} {question}", True, 0.0
             else:
                 started = time.perf_counter()
-                outcome = episode.env.step(response)
+                try:
+                    outcome = episode.env.step(response)
+                except EngineCrashedError as exc:
+                    episode.env_s += time.perf_counter() - started
+                    # The turn was generated, so it is recorded; no action reached a working engine.
+                    episode.actions += 1
+                    episode.invalid += 1
+                    self._crashed(episode, exc)
+                    episode.turns.append(Turn(
+                        observation=shown, prompt_token_ids=generation.prompt_token_ids,
+                        response_token_ids=generation.token_ids, sampling_logprobs=generation.logprobs,
+                        response_text=response, action="", valid=False, reward=0.0))
+                    continue
                 episode.env_s += time.perf_counter() - started
                 episode.actions += 1
                 episode.invalid += not outcome.info.valid
                 action, valid, reward = outcome.info.action, outcome.info.valid, outcome.reward
                 episode.observation = outcome.observation
+                episode.score = outcome.info.score if outcome.info.score is not None else episode.score
                 episode.history.append(action if valid else "(invalid)")
                 if outcome.done:
                     episode.done, episode.success = True, outcome.info.success
@@ -406,11 +453,11 @@ class EpisodePlayer:
         finished = [e for e in self.active if e.done]
         self.active = [e for e in self.active if not e.done]
         self.policy.end_sessions(e.assignment.event_id for e in finished)
-        return [self._trajectory(e) for e in finished]
+        return failed + [self._trajectory(e) for e in finished]
 
     def _trajectory(self, episode: Episode) -> TrajectoryCompleted:
         a = episode.assignment
-        revealed = episode.env.revealed()
+        revealed = episode.env.revealed() if episode.env_error is None else ()
         self.envs.put(a, episode.env)
         return TrajectoryCompleted(
             run_id=self.run_id, producer=self.producer, trajectory_id=f"{a.group_id}-k{a.slot}",
@@ -423,6 +470,7 @@ class EpisodePlayer:
             bank_offset=episode.bank_offset if a.guided else None, policy_version=self.version,
             timings=Timings(generation_s=episode.generation_s, env_s=episode.env_s,
                             retrieval_s=episode.retrieval_s),
+            score=episode.score, env_error=episode.env_error,
         )
 
     def close(self) -> None:

@@ -41,6 +41,9 @@ class StepInfo:
     """True once the task is solved (read from the environment)."""
     truncated: bool
     """True when a step or turn limit ended the episode unsolved."""
+    score: float | None = None
+    """The environment's own progress score after this step (0-1; ScienceWorld's can fall below 0 on a failure),
+    where it keeps one (the text worlds); None elsewhere. The reward stays the outcome reward."""
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,23 @@ class ActResult:
     """The episode ended unsolved by the environment's own rule (death, its own step limit)."""
     env_truncated: bool = False
     """The environment's own step limit ended it (recorded as a truncation)."""
+    rejected: bool = False
+    """The engine did not understand an unlisted action (`TextEnv.accepts_unlisted`): the turn counts as invalid."""
+    score: float | None = None
+    """The environment's own progress score after the action, where it keeps one."""
 
+
+INVALID_NOTE_ACTIONS = 40
+"""An invalid action's note lists the valid actions up to this many (ScienceWorld offers over a hundred)."""
 
 _WORD = re.compile(r"[a-z]+")
 
 
-def parse_action(response: str, actions: tuple[str, ...]) -> str | None:
-    """The first available action named in the first non-empty line of `response` (case-insensitive, whole words;
-    an optional leading 'Action:' is ignored), or None. Multi-word actions must appear as written."""
+def parse_action(response: str, actions: tuple[str, ...], *, words: bool = True) -> str | None:
+    """The available action named in the first non-empty line of `response` (case-insensitive; an optional leading
+    'Action:' is ignored), or None: the line itself, else the longest action the line starts with (whole words),
+    else (with `words`) the first single-word action among its words. Multi-word actions must appear as written.
+    Text worlds turn `words` off: 'move the egg in inventory to the box' names no listed action, not 'inventory'."""
     line = next((part.strip() for part in response.splitlines() if part.strip()), "")
     line = re.sub(r"^\s*action\s*:\s*", "", line, flags=re.IGNORECASE).strip().lower()
     if not line:
@@ -76,15 +88,17 @@ def parse_action(response: str, actions: tuple[str, ...]) -> str | None:
     by_lower = {action.lower(): action for action in actions}
     if line in by_lower:
         return by_lower[line]
-    single = {a for a in by_lower if " " not in a and "[" not in a}
-    for word in _WORD.findall(line):
-        if word in single:
-            return by_lower[word]
-    # Text actions (ALFWorld commands, WebShop clicks): the longest one the line starts with.
+    # Text actions (text-world commands, WebShop clicks): the longest one the line starts with.
     for candidate in sorted(by_lower, key=len, reverse=True):
         rest = line[len(candidate):]
         if line.startswith(candidate) and (candidate.endswith("[") or not rest or not rest[0].isalnum()):
             return by_lower[candidate]
+    if not words:
+        return None
+    single = {a for a in by_lower if " " not in a and "[" not in a}
+    for word in _WORD.findall(line):
+        if word in single:
+            return by_lower[word]
     return None
 
 
@@ -93,6 +107,12 @@ class TextEnv(ABC):
 
     env_id: str
     task_family: str
+    single_word_actions: bool = True
+    """Whether a single-word action found anywhere in the response's line counts (`parse_action`'s `words`): yes for
+    direction words (MiniHack, Sokoban); no for text worlds, whose commands contain such words."""
+    accepts_unlisted: bool = False
+    """True where the engine parses free text itself (ScienceWorld): a response naming no listed action is sent to
+    the engine as written, and counts as invalid only if the engine does not understand it."""
 
     def __init__(self, *, max_turns: int, invalid_action: InvalidActionRule = "skip",
                  success_reward: float = 1.0, failure_reward: float = 0.0) -> None:
@@ -165,23 +185,37 @@ class TextEnv(ABC):
             raise InvalidStateError(f"{self.env_id}: step() after the episode ended; call reset() first")
         self.turns += 1
         out_of_turns = self.turns >= self.max_turns
-        action = parse_action(action_text, self.available_actions())
+        action = parse_action(action_text, self.available_actions(), words=self.single_word_actions)
+        result: ActResult | None = None
+        if action is None and self.accepts_unlisted:
+            unlisted = re.sub(r"^\s*action\s*:\s*", "", action_text.strip().split("\n", 1)[0],
+                              flags=re.IGNORECASE).strip()
+            if unlisted:
+                result = self._act(unlisted)
+                action = None if result.rejected else unlisted
         if action is None:
             lost = self.invalid_action == "end"
             self.done = lost or out_of_turns
             shown = action_text.strip().splitlines()[0][:60] if action_text.strip() else ""
-            self.observation = f"Invalid action {shown!r}. Valid actions: {', '.join(self.available_actions())}.\n" + \
+            self.observation = f"Invalid action {shown!r}. {self._valid_note()}\n" + \
                 self._strip_invalid_note(self.observation)
             return StepOutcome(self.observation, self.failure_reward if self.done else 0.0, self.done,
-                               StepInfo(False, "", self.available_actions(), False, self.done and not lost))
-        result = self._act(action)
+                               StepInfo(False, "", self.available_actions(), False, self.done and not lost,
+                                        result.score if result is not None else None))
+        result = result or self._act(action)
         self.observation = result.observation
         solved = result.solved
         self.done = solved or result.lost or out_of_turns
         reward = self.success_reward if solved else self.failure_reward if self.done else 0.0
         truncated = self.done and not solved and (result.env_truncated or (out_of_turns and not result.lost))
         return StepOutcome(self.observation, reward, self.done,
-                           StepInfo(True, action, self.available_actions(), solved, truncated))
+                           StepInfo(True, action, self.available_actions(), solved, truncated, result.score))
+
+    def _valid_note(self) -> str:
+        actions = self.available_actions()
+        if len(actions) > INVALID_NOTE_ACTIONS:
+            return f"{len(actions)} actions are valid here."
+        return f"Valid actions: {', '.join(actions)}."
 
     @staticmethod
     def _strip_invalid_note(observation: str) -> str:

@@ -36,6 +36,8 @@ class EnvSpec:
     """Where several seeds can draw one task: seed -> (the task it draws, its kind). A pool then holds distinct
     tasks, each of the `kinds` equally often (give or take one)."""
     kinds: int = 1
+    engine: str | None = None
+    """The Java engine it runs on (`pipeline.envs.jvm.ENGINES`), where it has one: it needs Java and that package."""
 
 
 def _minihack(env_id: str, family: str, kind: str) -> Callable[[EnvSettings, int, Split], TextEnv]:
@@ -64,6 +66,27 @@ def _sokoban(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
     from pipeline.envs.sokoban import SokobanEnv
 
     return SokobanEnv(max_turns=max_turns, invalid_action=settings.invalid_action)
+
+
+def _twx(game: str) -> Callable[[EnvSettings, int, Split], TextEnv]:
+    def build(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
+        from pipeline.envs.text_worlds import TextWorldExpressEnv
+
+        return TextWorldExpressEnv(game, settings.text_worlds, max_turns=max_turns,
+                                   invalid_action=settings.invalid_action)
+    return build
+
+
+def _twx_key(seed: int) -> tuple[Hashable, Hashable]:
+    from pipeline.envs.text_worlds import twx_task
+
+    return twx_task(seed), 0
+
+
+def _scienceworld(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
+    from pipeline.envs.text_worlds import ScienceWorldEnv
+
+    return ScienceWorldEnv(settings.text_worlds, max_turns=max_turns, invalid_action=settings.invalid_action)
 
 
 def _alfworld(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
@@ -104,6 +127,11 @@ _SPECS = [
             _minihack("MiniHack-River-Narrow-v0", "minihack-river", "river"), True),
     EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True, _corridor_key, kinds=2),
     EnvSpec("Sokoban-6x6-2box", "sokoban", 30, _sokoban, True),
+    EnvSpec("TWX-CookingWorld", "twx-cookingworld", 30, _twx("cookingworld"), True, _twx_key,
+            engine="textworld-express"),
+    EnvSpec("TWX-TWC", "twx-twc", 20, _twx("twc"), True, _twx_key, engine="textworld-express"),
+    EnvSpec("TWX-CoinCollector", "twx-coin", 20, _twx("coin"), True, _twx_key, engine="textworld-express"),
+    EnvSpec("ScienceWorld", "scienceworld", 40, _scienceworld, True, engine="scienceworld"),
     EnvSpec("ALFWorld", "alfworld", 40, _alfworld, False),
     EnvSpec("WebShop", "webshop", 15, _webshop, False),
     EnvSpec("SWE-Bench-Verified", "swebench", 50, _swebench, False),

@@ -19,6 +19,47 @@ class TaskMix(BaseModel):
     max_turns: int | None = Field(default=None, gt=0, description="Turn limit; None: the env's paper setting.")
 
 
+class TextWorldSettings(BaseModel):
+    """TextWorldExpress and ScienceWorld (`CRL_ENVS__TEXT_WORLDS__*`): game parameters, the fold unseen tasks come
+    from, and whether the prompt lists the valid actions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cookingworld: str = Field(
+        default="numLocations=1,numIngredients=2,numDistractorItems=2,includeDoors=0,limitInventorySize=0",
+        description="TextWorldExpress CookingWorld's game parameters (its own `key=value,...` string; TWX's paper "
+        "setting is numLocations=1,numIngredients=2,numDistractorItems=5,includeDoors=0).")
+    twc: str = Field(
+        default="numLocations=1,numItemsToPutAway=2,includeDoors=0,limitInventorySize=0",
+        description="TextWorld Commonsense's game parameters (`numLocations`, `numItemsToPutAway`, `includeDoors`, "
+        "`limitInventorySize`).")
+    coin: str = Field(
+        default="numLocations=4,numDistractorItems=0,includeDoors=0,limitInventorySize=0",
+        description="Coin Collector's game parameters (`numLocations` rooms to search, `numDistractorItems`, "
+        "`includeDoors`).")
+    scienceworld_task: str = Field(
+        default="find-living-thing",
+        description="The ScienceWorld task type (`crl envs show ScienceWorld` lists them; 30 in all).")
+    scienceworld_simplifications: str = Field(
+        default="easy", description="ScienceWorld's simplifications, comma-separated ('easy': all of them; '': none).")
+    scienceworld_variation: int | None = Field(
+        default=None, ge=0,
+        description="Play this one variation of the task on every seed; None: each seed draws a variation of its "
+        "split (train seeds from the train variations, unseen ones from `eval_fold`'s).")
+    eval_fold: Literal["dev", "test"] = Field(
+        default="test",
+        description="The engines' fold the unseen (eval-pool) tasks come from; train-pool tasks always come from "
+        "the train fold, so training never sees an unseen task's game.")
+    show_valid_actions: bool = Field(
+        default=True,
+        description="List the valid actions in every observation (as agent papers list ALFWorld's admissible "
+        "commands). Off: the agent must know the command grammar.")
+    step_limit: int = Field(
+        default=100, gt=0,
+        description="The engines' own step limit (an episode past it ends as a truncation); the task's `max_turns` "
+        "usually ends it first.")
+
+
 class EnvSettings(BaseModel):
     """What a run plays and how its environments are built: the task mixture, the task pools, and per-environment
     options. Environment: `CRL_ENVS__<FIELD>`."""
@@ -54,6 +95,9 @@ class EnvSettings(BaseModel):
     webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
     swebench_instances: Path | None = Field(
         default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")
+    text_worlds: TextWorldSettings = Field(
+        default_factory=TextWorldSettings,
+        description="TextWorldExpress (CookingWorld, TextWorld Commonsense, Coin Collector) and ScienceWorld.")
 
     @model_validator(mode="after")
     def _recurring_within_the_pool(self) -> EnvSettings:

@@ -146,8 +146,8 @@ class ExtractorJoin:
             self._mark(generation, step, outcomes)
 
     def add_trajectory(self, trajectory: TrajectoryCompleted) -> None:
-        if not trajectory.guided or trajectory.split != "train":
-            return  # evaluation episodes measure; they do not train
+        if not trajectory.guided or trajectory.split != "train" or trajectory.env_error is not None:
+            return  # evaluation episodes measure; they do not train; an engine failure says nothing of the lesson
         outcome = 1.0 if trajectory.success else -1.0
         for generation_id in {ref.generation_id for ref in trajectory.retrieved}:
             self.outcomes.setdefault(generation_id, {})[trajectory.trajectory_id] = outcome

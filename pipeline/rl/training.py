@@ -312,11 +312,17 @@ def actor_samples(trajectories: Iterable[TrajectoryCompleted], advantages: Seque
 
 
 def actor_advantages(trajectories: list[TrajectoryCompleted], settings: ActorTrainerSettings) -> torch.Tensor:
-    """Subgroup advantages of a canonically ordered batch (also what `crl replay train` recomputes)."""
+    """Subgroup advantages of a canonically ordered batch (also what `crl replay train` recomputes). An episode
+    whose engine failed (`env_error`) gets 0 and is left out of its subgroup's mean and std: its failure says
+    nothing about the policy."""
     group_index = {g: i for i, g in enumerate(sorted({t.group_id for t in trajectories}))}
-    return subgroup_advantages(
-        torch.tensor([t.reward for t in trajectories]),
-        torch.tensor([group_index[t.group_id] for t in trajectories]),
-        torch.tensor([t.guided for t in trajectories]),
-        settings.advantage_norm, settings.advantage_eps,
-    )
+    played = [i for i, t in enumerate(trajectories) if t.env_error is None]
+    advantages = torch.zeros(len(trajectories), dtype=torch.float32)
+    if played:
+        advantages[played] = subgroup_advantages(
+            torch.tensor([trajectories[i].reward for i in played]),
+            torch.tensor([group_index[trajectories[i].group_id] for i in played]),
+            torch.tensor([trajectories[i].guided for i in played]),
+            settings.advantage_norm, settings.advantage_eps,
+        )
+    return advantages
