@@ -17,14 +17,29 @@ envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 
 @envs_app.command("list")
 def envs_list() -> None:
-    """Every env id with its task family, paper turn limit and whether it runs on this machine."""
+    """Every env id with its task family, turn limit, what it needs and whether it runs on this machine."""
+    from pipeline.envs.jvm import ENGINES, engine_requirements
     from pipeline.envs.registry import ENV_SPECS
 
-    table = Table("env id", "task family", "max turns", "runs here")
+    table = Table("env id", "task family", "max turns", "needs", "runs here")
+    missing = {name: engine_requirements(name) for name in ENGINES}
     for spec in ENV_SPECS.values():
-        table.add_row(spec.env_id, spec.task_family, str(spec.max_turns),
-                      "yes" if spec.runs_here else "needs data/Docker")
+        if spec.engine is not None:
+            needs = f"Java 17, {ENGINES[spec.engine].pip.removeprefix('pip install ')}"
+            here = "yes" if missing[spec.engine] is None else f"no: {missing[spec.engine]}"
+        else:
+            needs = _NEEDS.get(spec.task_family) or \
+                ("nle, minihack" if spec.task_family.startswith("minihack") else "nothing more")
+            here = "yes" if spec.runs_here else "no: see docs/environments.md"
+        table.add_row(spec.env_id, spec.task_family, str(spec.max_turns), needs, here)
     console.print(table)
+
+
+_NEEDS = {
+    "alfworld": "alfworld + its game files (~2 GB)",
+    "webshop": "WebShop's catalogue and search index",
+    "swebench": "swebench + a Docker engine",
+}
 
 
 @envs_app.command("show")
@@ -59,18 +74,23 @@ def envs_random_play(
         min=1, help="Turn limit; default: each task's limit in the config (or the env's own).")] = None,
 ) -> None:
     """How often uniformly random actions solve each task of the config's mixture at its turn limit, on an eval
-    pool of `--episodes` tasks (Wilson 95% interval): the floor a policy's success must clear to show skill."""
+    pool of `--episodes` tasks (Wilson 95% interval): the floor a policy's success must clear to show skill; and how
+    often the scripted solver the warm start imitates does (a random action where it has none)."""
     from pipeline.envs.random_play import random_play
     from pipeline.envs.registry import env_spec, task_pool
 
     settings = current_settings().envs
-    table = Table("env id", "task family", "max turns", "episodes", "random success", "95% interval", "turns/ep")
+    table = Table("env id", "task family", "max turns", "episodes", "random success", "95% interval", "turns/ep",
+                  "solver success")
     for task in settings.tasks:
         spec = env_spec(task.env_id)
         turns = max_turns or task.max_turns or spec.max_turns
         found = random_play(task.env_id, settings, max_turns=turns,
                             seeds=task_pool(task.env_id, "eval", episodes, settings.seed), rng_seed=settings.seed)
         low, high = found.interval()
+        solved = random_play(task.env_id, settings, max_turns=turns, seeds=task_pool(task.env_id, "eval", episodes,
+                                                                                    settings.seed),
+                             rng_seed=settings.seed, solver=True)
         table.add_row(task.env_id, spec.task_family, str(turns), str(found.episodes), f"{found.rate:.3f}",
-                      f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}")
+                      f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}", f"{solved.rate:.3f}")
     console.print(table)

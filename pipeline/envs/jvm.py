@@ -164,6 +164,10 @@ class JvmEngine:
         if gateway is None:
             return
         process = gateway.java_process
+        if process.poll() is not None:
+            # A dead JVM: mark the client disconnected so the game objects' finalizers (py4j tells the JVM when one
+            # is garbage collected) do not try to reach it, each logging a connection error from inside the GC.
+            gateway._gateway_client.is_connected = False
         with contextlib.suppress(Exception):  # a dead JVM cannot be shut down politely
             gateway.shutdown()
         if process.poll() is None:

@@ -41,9 +41,10 @@ class RandomPlay:
 
 
 def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Sequence[int],
-                rng_seed: int = 0) -> RandomPlay:
+                rng_seed: int = 0, solver: bool = False) -> RandomPlay:
     """Play one episode per task seed, each turn a uniformly random available action (drawn from a stream seeded by
-    `rng_seed` and the task seed, so the figure is reproducible)."""
+    `rng_seed` and the task seed, so the figure is reproducible). With `solver`, the scripted solver plays instead
+    (`TextEnv.expert_action`; a random action where it has none): the warm start's teacher."""
     env = make_env(env_id, settings, max_turns=max_turns)
     successes = turns = 0
     try:
@@ -52,7 +53,8 @@ def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Se
             env.reset(seed)
             actions = env.available_actions()
             while True:
-                outcome = env.step(rng.choice(actions))
+                expert = env.expert_action() if solver else None
+                outcome = env.step(expert if expert is not None else rng.choice(actions))
                 turns += 1
                 actions = outcome.info.available_actions or actions
                 if outcome.done:
@@ -61,3 +63,30 @@ def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Se
     finally:
         env.close()
     return RandomPlay(env_id, max_turns, len(seeds), successes, turns / len(seeds) if seeds else 0.0)
+
+
+def corpus_texts(env_ids: Sequence[str], episodes: int, seed: int) -> list[str]:
+    """Text for a tokenizer: `episodes` episodes of each environment (default settings, train seeds), half played
+    by the scripted solver and half at random, each one string of its goal, observations and actions.
+    Deterministic."""
+    from pipeline.envs.registry import task_pool
+
+    texts: list[str] = []
+    for env_id in env_ids:
+        env = make_env(env_id, EnvSettings())
+        try:
+            for index, task_seed in enumerate(task_pool(env_id, "train", episodes, seed)):
+                rng = random.Random(f"corpus/{seed}/{env_id}/{task_seed}")
+                goal, observation = env.reset(task_seed)
+                lines = [f"Goal: {goal}", observation]
+                while True:
+                    expert = env.expert_action() if index % 2 == 0 else None
+                    action = expert if expert is not None else rng.choice(env.available_actions())
+                    outcome = env.step(action)
+                    lines += [f"Action: {action}", outcome.observation]
+                    if outcome.done:
+                        break
+                texts.append("\n".join(lines))
+        finally:
+            env.close()
+    return texts

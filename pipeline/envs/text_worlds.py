@@ -218,6 +218,10 @@ class TextWorldExpressEnv(_EngineEnv):
         fold = task_fold(seed, self.settings.eval_fold)
         engine_seed = TWX_FOLD_BASE[fold] + twx_task(seed)[1]
         info = json.loads(self._call("generateNewGameJSON", engine_seed, fold, True))
+        if str(info["observation"]).startswith("ERROR:"):
+            self._loaded = False
+            raise ConfigError(f"{self.env_id}: the engine made no game of the parameters {self.params!r}: "
+                              f"{info['observation']}")
         self._start_gold(list(self._call("getGoldActionSequence")))
         goal = str(self._call("getTaskDescription")).strip()
         self._explorer = CoinExplorer() if self.game == "coin" else None

@@ -24,6 +24,10 @@ class TinyModelSettings(BaseModel):
     max_position_embeddings: int = Field(default=4096, gt=0, description="Longest prompt + response.")
     seed: int = Field(default=0, ge=0, description="Seeds the weights' initialisation and the tokenizer corpus.")
     corpus_episodes: int = Field(default=48, gt=0, description="MiniHack episodes played for the tokenizer corpus.")
+    corpus_envs: tuple[str, ...] = Field(
+        default=(),
+        description="Env ids whose episodes (`corpus_episodes` each, half by the scripted solver) join the tokenizer "
+        "corpus, so a text world's words become tokens: a CookingWorld prompt is ~3x shorter with them.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelSettings:

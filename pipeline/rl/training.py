@@ -42,7 +42,7 @@ from pipeline.models.checkpoints import (
 from pipeline.models.lora import is_lora, with_lora
 from pipeline.models.presets import prepared_preset
 from pipeline.models.settings import ModelSettings
-from pipeline.models.tiny import build_tiny
+from pipeline.models.tiny import build_tiny, tokenizer_corpus
 from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.rl.advantages import subgroup_advantages
 from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
@@ -79,7 +79,14 @@ def initial_policy(model: ModelSettings) -> TransformersPolicy:
         return TransformersPolicy.from_pretrained(prepared_preset(model.preset), device=model.device)
     if model.path is not None:
         return TransformersPolicy.from_pretrained(model.path, device=model.device)
-    return build_tiny(model.tiny, device=model.device)
+    corpus = None
+    if model.tiny.corpus_envs:
+        from pipeline.envs.random_play import corpus_texts
+
+
+        corpus = tokenizer_corpus(model.tiny) + corpus_texts(model.tiny.corpus_envs, model.tiny.corpus_episodes,
+                                                             model.tiny.seed)
+    return build_tiny(model.tiny, device=model.device, corpus=corpus)
 
 
 WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict[str, Any]]]

@@ -366,12 +366,16 @@ def _env_options(envs: EnvSettings) -> dict[str, Any]:
     """What of the env settings the data episodes depend on: how environments are built, not which tasks a run
     draws or evaluates (seeds, pools, repeats), so runs that differ only in those share one cached warm start."""
     return envs.model_dump(mode="json", include={"invalid_action", "alfworld_data", "webshop_num_products",
-                                                 "swebench_instances"})
+                                                 "swebench_instances", "text_worlds"})
 
 
 def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -> dict[str, Any]:
+    families = sorted({e.digest.task_family for e in episodes})
+    by_family = {family: [e.digest.success for e in episodes if e.digest.task_family == family]
+                 for family in families}
     return {"steps": len(losses), "samples": samples, "episodes": len(episodes),
             "episode_success": sum(e.digest.success for e in episodes) / max(1, len(episodes)),
+            "episode_success_by_family": {f: sum(s) / len(s) for f, s in by_family.items()},
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 

@@ -289,6 +289,29 @@ def _nle_check() -> str:
     return f"nle {nle.__version__}, MiniHack-Room-5x5-v0 reset and stepped"
 
 
+def _engine_check(name: str, settings: Settings) -> Check:
+    """A text-world engine: its JVM started, one game reset and stepped. A failure fails the doctor only where the
+    config's mixture plays that engine; otherwise the row says what the engine would need."""
+    from pipeline.envs.jvm import engine_requirements
+    from pipeline.envs.registry import ENV_SPECS, make_env
+
+    env_ids = [spec.env_id for spec in ENV_SPECS.values() if spec.engine == name]
+    used = any(task.env_id in env_ids for task in settings.envs.tasks)
+    label = f"{name} ({', '.join(env_ids)})"
+    if (missing := engine_requirements(name)) is not None:
+        return Check(label, not used, f"{missing}" + ("" if used else "; the config does not play it"))
+
+    def play() -> str:
+        env = make_env(env_ids[0], settings.envs)
+        try:
+            env.reset(1)
+            outcome = env.step(env.available_actions()[0])
+        finally:
+            env.close()
+        return f"JVM started, {env_ids[0]} reset and stepped ({len(outcome.info.available_actions)} valid actions)"
+    return _attempt(label, play)
+
+
 def run_checks(settings: Settings, embedded: bool) -> list[Check]:
     checks: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="crl-doctor-") as scratch:
@@ -320,4 +343,5 @@ def run_checks(settings: Settings, embedded: bool) -> list[Check]:
             checks.append(_attempt("SQL CRL_DB__URL", lambda: _sql_check(db_url, False)))
     checks.append(_attempt("embedding model", lambda: _embedding_check(settings.embedding.model)))
     checks.append(_attempt("NLE / MiniHack", _nle_check))
+    checks += [_engine_check(name, settings) for name in ("textworld-express", "scienceworld")]
     return checks
