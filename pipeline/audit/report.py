@@ -90,6 +90,21 @@ class RunSummary:
     """ExtractionGenerated events by parse status (every status, 0 when none)."""
     actor_train_steps: int
     extractor_train_steps: int
+    families: tuple[FamilyRow, ...] = ()
+    """Success per task family (a mixture's families; one row for a single-family run)."""
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """One task family of one run: eval success at the run's last eval step and train success over the run, each for
+    guided and free episodes, and the episodes its engine failed."""
+
+    task_family: str
+    eval_guided: float | None
+    eval_free: float | None
+    train_guided: float | None
+    train_free: float | None
+    engine_failures: int
 
 
 @dataclass(frozen=True)
@@ -257,12 +272,23 @@ def load_run(run_dir: Path) -> RunData:
         extractions = dict.fromkeys(PARSE_STATUSES, 0)
         extractions |= dict(_rows(audit, "SELECT parse_status, count(*) FROM extraction_generated GROUP BY ALL"))
         trained = dict(_rows(audit, "SELECT role, count(*) FROM train_steps GROUP BY role"))
+        family_rates: dict[tuple[str, str, bool], float] = {}
+        for family, split, guided, rate in _rows(
+                audit, "SELECT task_family, split, guided, sum(successes) / sum(episodes) FROM family_success "
+                       "WHERE split = 'train' OR step = ? GROUP BY ALL", [eval_step if eval_step is not None else -1]):
+            family_rates[(family, split, guided)] = float(rate)
+        failures = dict(_rows(audit, "SELECT task_family, sum(engine_failures) FROM family_success GROUP BY ALL"))
+        families = tuple(
+            FamilyRow(family, family_rates.get((family, "eval", True)), family_rates.get((family, "eval", False)),
+                      family_rates.get((family, "train", True)), family_rates.get((family, "train", False)),
+                      int(failures.get(family) or 0))
+            for family in sorted(failures))
     summary = RunSummary(
         run_dir=run_dir, run_id=run_id, arm=arm, code_version=code_version, status=status, steps=steps,
         eval_success_guided=final_eval["guided"], eval_success_free=final_eval["free"],
         train_success=float(train_success) if train_success is not None else None, bank_size=final_bank,
         extractions=extractions, actor_train_steps=trained.get("actor", 0),
-        extractor_train_steps=trained.get("extractor", 0),
+        extractor_train_steps=trained.get("extractor", 0), families=families,
     )
     curves = RunCurves(
         success=success, actions_per_solved=actions_per_solved, invalid_rate=invalid_rate, bank_size=bank_size,
@@ -434,6 +460,8 @@ _FIGURE_TITLES = {
 _COLUMNS = ("run id", "arm", "code version", "status", "steps", "eval success guided", "eval success free",
             "train success", "bank size", "extractions ok / no_op / parse_error", "actor train steps",
             "extractor train steps", "run dir")
+_FAMILY_COLUMNS = ("run id", "task family", "eval success guided", "eval success free", "train success guided",
+                   "train success free", "engine failures")
 _STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}")
 
@@ -476,9 +504,14 @@ def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequ
         f"<img src=\"{html.escape(path.name)}\" alt=\"{html.escape(_FIGURE_TITLES[name])}\">\n"
         for name, path in figures.items()
     )
+    family_rows = [[run.run_id, row.task_family, _rate(row.eval_guided), _rate(row.eval_free), _rate(row.train_guided),
+                    _rate(row.train_free), str(row.engine_failures)] for run in runs for row in run.families]
+    family_section = ("<h2>Success per task family (eval: the last eval step; train: every step)</h2>\n"
+                      + _table(_FAMILY_COLUMNS, family_rows)) if family_rows else ""
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
-            f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{images}</body></html>\n")
+            f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{family_section}{images}"
+            "</body></html>\n")
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Report:

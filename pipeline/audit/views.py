@@ -14,7 +14,10 @@ Run views (`RUN_VIEWS`), plain SQL over the per-kind views, one row per event, f
 - `trajectories`: one row per TrajectoryCompleted: trajectory_id, step, split, env_id, task_family, seed, group_id,
   slot, guided, success, reward, num_actions, invalid_actions, truncated, turns (count), response_tokens (over all
   turns), policy_version, bank_offset, served (JSON list of the experience ids in `retrieved`), generation_s, env_s,
-  retrieval_s, occurred_at;
+  retrieval_s, score (the environment's own, where it keeps one), env_error (why its engine failed it; NULL when it
+  ran to its end), occurred_at;
+- `family_success`: one row per (step, split, task_family, guided): episodes, successes, success_rate, mean_score,
+  engine_failures — the per-family curves of a mixture;
 - `train_steps`: one row per TrainStepCompleted: role, step, policy_version, loss, tokens, batch_size (batch events),
   dropped (events dropped at the timeout), timed_out, loss_variant, aggregation, weight_hash_before,
   weight_hash_after, clip_fraction (`train/clip_fraction`), reward_mean (`rollout/reward_mean` for the actor,
@@ -138,7 +141,7 @@ def _empty_archive_sql() -> str:
 
 # -- run views ------------------------------------------------------------------------------------------------------
 
-RUN_VIEWS = ("trajectories", "train_steps", "policy_versions")
+RUN_VIEWS = ("trajectories", "family_success", "train_steps", "policy_versions")
 
 
 def _metric(name: str) -> str:
@@ -160,8 +163,13 @@ RUN_VIEW_SQL = {
         "coalesce(list_sum(list_transform(json_extract_string(turns, '$[*].response_token_ids'), "
         "lambda ids: octet_length(from_base64(ids)) // 4)), 0) AS response_tokens, policy_version, bank_offset, "
         "coalesce(to_json(json_extract_string(retrieved, '$[*].experience_id')), '[]'::JSON) AS served, "
-        f"{_timing('generation_s')}, {_timing('env_s')}, {_timing('retrieval_s')}, occurred_at "
+        f"{_timing('generation_s')}, {_timing('env_s')}, {_timing('retrieval_s')}, score, env_error, occurred_at "
         "FROM trajectory_completed ORDER BY step, split, group_id, slot, trajectory_id"
+    ),
+    "family_success": (
+        "SELECT step, split, task_family, guided, count(*) AS episodes, sum(success::INTEGER) AS successes, "
+        "avg(success::INTEGER) AS success_rate, avg(score) AS mean_score, count(env_error) AS engine_failures "
+        "FROM trajectories GROUP BY ALL ORDER BY ALL"
     ),
     "train_steps": (
         "SELECT role, step, policy_version, loss, tokens, json_array_length(batch_event_ids) AS batch_size, "

@@ -88,6 +88,15 @@ class RunProgress:
         step = max(table)
         return step, self._success(table[step], True), self._success(table[step], False)
 
+    def families(self, table: dict[int, list[TrajectoryCompleted]]) -> dict[str, tuple[float | None, float | None]]:
+        """Task family -> (guided success, free success) over the newest step with episodes in `table`."""
+        if not table:
+            return {}
+        newest = table[max(table)]
+        return {family: (self._success([t for t in newest if t.task_family == family], True),
+                         self._success([t for t in newest if t.task_family == family], False))
+                for family in sorted({t.task_family for t in newest})}
+
     @property
     def bank_size(self) -> int:
         return sum(1 for _ in self.bank.active())

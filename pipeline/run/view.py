@@ -25,12 +25,13 @@ def _pair(step: int | None, guided: float | None, free: float | None) -> str:
 
 
 def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str, str]:
-    """The run's figures, one line each, as the live view and the summary line show them."""
+    """The run's figures, one line each, as the live view and the summary line show them (a mixture adds each
+    family's guided/free success at the newest train and eval steps)."""
     p = progress
     with lock:
         train_step, guided, free = p.latest(p.train)
         eval_step, eval_guided, eval_free = p.latest(p.evaluation)
-        return {
+        figures = {
             "step": f"{p.step_issued + 1}/{steps}",
             "train": _pair(train_step, guided, free),
             "eval": _pair(eval_step, eval_guided, eval_free),
@@ -41,6 +42,17 @@ def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str
             "actor loss": "-" if p.actor_loss is None else f"{p.actor_loss:.4f}",
             "extractor reward": "-" if p.extractor_reward is None else f"{p.extractor_reward:+.3f}",
         }
+        # A mixture: each family's success at the newest train and eval steps, after the run's own lines.
+        for name, table in (("train", p.train), ("eval", p.evaluation)):
+            families = p.families(table)
+            if len(families) > 1:
+                figures[f"{name} by family"] = " | ".join(
+                    f"{family} {_rate(g)}/{_rate(f)}" for family, (g, f) in families.items())
+        return figures
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def summary_line(figures: dict[str, str], started: float) -> str:

@@ -67,7 +67,7 @@ def test_the_same_seed_is_the_same_game_and_the_same_episode(env_id):
 def test_the_scripted_solver_solves_train_and_unseen_games(env_id):
     for seed in [*task_pool(env_id, "train", 3, 0), *task_pool(env_id, "eval", 3, 0)]:
         played = _play(env_id, seed)
-        observation, valid, reward, done = played[-1]
+        observation, _valid, reward, done = played[-1]
         assert done and reward == 1.0, f"{env_id} seed {seed}: {observation[:300]}"
         assert all(v for _, v, _, _ in played)
 

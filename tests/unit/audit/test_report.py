@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.audit.archive import archive_root
-from pipeline.audit.report import OP_KINDS, RunSummary, load_run, write_report
+from pipeline.audit.report import OP_KINDS, FamilyRow, RunSummary, load_run, write_report
 from pipeline.cli import app
 from pipeline.runtime.harness import run_worker
 from schemas.arrays import EmbeddingVector
@@ -195,8 +195,9 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
     page = report.html.read_text()
     assert re.findall(r'<img src="([^"]+)"', page) == ["learning.png", *FIGURES]
     # the arm table: header + the complementary arm's guided and free rows (the grpo run has no evaluation); then
-    # the run table: header + one row per run
-    assert page.count("<tr>") == 3 + 3
+    # the run table: header + one row per run; then the family table: header + one family per run
+    assert page.count("<tr>") == 3 + 3 + 3
+    assert "<h2>Success per task family" in page
     assert [(row.arm, row.kind, row.tasks, row.before.value, row.verdict) for row in report.arms] == [
         ("complementary", "guided", 1, 1.0, "not measured (one evaluation)"),
         ("complementary", "free", 1, 0.0, "not measured (one evaluation)")]
@@ -207,11 +208,13 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
         RunSummary(run_dir=runs[0], run_id="comp-1", arm="complementary", code_version="abc123", status="completed",
                    steps=2, eval_success_guided=1.0, eval_success_free=0.0, train_success=0.625, bank_size=1,
                    extractions={"ok": 5, "no_op": 2, "parse_error": 1}, actor_train_steps=2,
-                   extractor_train_steps=2),
+                   extractor_train_steps=2,
+                   families=(FamilyRow("minihack-room", 1.0, 0.0, 0.75, 0.5, engine_failures=0),)),
         RunSummary(run_dir=runs[1], run_id="grpo-1", arm="grpo", code_version="abc123", status="unfinished",
                    steps=1, eval_success_guided=None, eval_success_free=None, train_success=0.5, bank_size=0,
                    extractions={"ok": 0, "no_op": 0, "parse_error": 0}, actor_train_steps=1,
-                   extractor_train_steps=0),
+                   extractor_train_steps=0,
+                   families=(FamilyRow("minihack-room", None, None, None, 0.5, engine_failures=0),)),
     )
 
 

@@ -93,14 +93,22 @@ def test_trajectories_has_one_row_per_episode_with_counts_and_timings(run_dir):
     assert columns == [
         "trajectory_id", "step", "split", "env_id", "task_family", "seed", "group_id", "slot", "guided", "success",
         "reward", "num_actions", "invalid_actions", "truncated", "turns", "response_tokens", "policy_version",
-        "bank_offset", "served", "generation_s", "env_s", "retrieval_s", "occurred_at",
+        "bank_offset", "served", "generation_s", "env_s", "retrieval_s", "score", "env_error", "occurred_at",
     ]
     assert rows == [
         ("traj-guided", 0, "train", ENV, FAMILY, 7, "s0-g0", 1, True, True, 1.0, 2, 0, False, 2, 3, 0, 5,
-         '["exp-a","exp-b"]', 0.25, 0.5, 0.125, at(10)),
+         '["exp-a","exp-b"]', 0.25, 0.5, 0.125, None, None, at(10)),
         ("traj-free", 1, "eval", ENV, FAMILY, 8, "eval-s1", 3, False, False, 0.0, 1, 1, True, 1, 0, 1, None, "[]",
-         1.5, 0.0, 0.0, at(20)),
+         1.5, 0.0, 0.0, None, None, at(20)),
     ]
+
+
+def test_family_success_counts_each_family_split_and_slot_kind(run_dir):
+    with Audit(run_dir) as audit:
+        columns, rows = audit.query("SELECT * FROM family_success")
+    assert columns == ["step", "split", "task_family", "guided", "episodes", "successes", "success_rate",
+                       "mean_score", "engine_failures"]
+    assert rows == [(0, "train", FAMILY, True, 1, 1, 1.0, None, 0), (1, "eval", FAMILY, False, 1, 0, 0.0, None, 0)]
 
 
 def test_train_steps_has_batch_sizes_and_named_metrics(run_dir):

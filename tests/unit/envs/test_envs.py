@@ -132,6 +132,12 @@ def test_parse_text_actions():
     assert parse_action("Action: open drawer 2 please", actions) == "open drawer 2"
     assert parse_action("search[red shoes]", actions) == "search["
     assert parse_action("click[buy now]", actions) == "click[Buy Now]"
+    # a longer command is matched before a single-word action found among its words; text worlds do without those
+    commands = ("inventory", "move egg to box", "look around")
+    assert parse_action("move egg to box", commands) == "move egg to box"
+    assert parse_action("move the egg in inventory to box", commands) == "inventory"
+    assert parse_action("move the egg in inventory to box", commands, words=False) is None
+    assert parse_action("inventory", commands, words=False) == "inventory"
 
 
 # -- Sokoban ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ P = ("crl.trajectories", 0)
 
 
 def trajectory(step: int, group: str, slot: int, *, success: bool = False, guided: bool = False,
-               split: str = "train", served: tuple[str, ...] = ()) -> TrajectoryCompleted:
+               split: str = "train", served: tuple[str, ...] = (), env_error: str | None = None
+               ) -> TrajectoryCompleted:
     return TrajectoryCompleted(
         run_id="r", producer=WHO, trajectory_id=f"t-{step}-{group}-{slot}-{split}", assignment_event_id="a", step=step,
         split=split, env_id="e", task_family="f", seed=1, group_id=group, slot=slot, guided=guided, goal="g",
@@ -25,7 +26,7 @@ def trajectory(step: int, group: str, slot: int, *, success: bool = False, guide
         reward=float(success), success=success, num_actions=1, invalid_actions=0, truncated=False,
         retrieved=tuple(ExperienceRef(experience_id=f"x-{g}", version=1, generation_id=g) for g in served),
         bank_offset=0 if served else None, policy_version=0,
-        timings=Timings(generation_s=0, env_s=0, retrieval_s=0),
+        timings=Timings(generation_s=0, env_s=0, retrieval_s=0), env_error=env_error,
     )
 
 
@@ -144,3 +145,30 @@ def test_join_rebuilt_in_another_order_gives_the_same_ready_set():
         rebuilt.add_extraction(event)
     assert set(live.ready()) == set(rebuilt.ready()) == {str(events[1].event_id)}
     assert rebuilt.generations[str(events[0].event_id)].trainings == {1}
+
+
+def test_an_episode_its_engine_failed_gets_no_advantage_and_stays_out_of_its_subgroup():
+    """Free subgroup of g1: rewards 1, 0, 0 and a crashed 0. Without the crash: mean 1/3, sample std sqrt(1/3), so
+    the advantages are (2/3) / 0.57735 = 1.1547 and (-1/3) / 0.57735 = -0.57735; the crashed one gets 0. The guided
+    subgroup is left as it was."""
+    from pipeline.rl.settings import ActorTrainerSettings
+    from pipeline.rl.training import actor_advantages
+
+    batch = [trajectory(0, "g1", 0, success=True), trajectory(0, "g1", 1), trajectory(0, "g1", 2),
+             trajectory(0, "g1", 3, env_error="textworld-express: stepJSON failed"),
+             trajectory(0, "g1", 4, guided=True, success=True), trajectory(0, "g1", 5, guided=True)]
+    advantages = actor_advantages(batch, ActorTrainerSettings()).tolist()
+    assert advantages[:4] == pytest.approx([1.1547005, -0.5773503, -0.5773503, 0.0], abs=1e-5)  # eps 1e-6
+    assert advantages[4:] == pytest.approx([0.7071068, -0.7071068], abs=1e-5)
+
+
+def test_the_extractor_is_not_credited_by_an_episode_its_engine_failed():
+    join = ExtractorJoin()
+    join.add_trajectory(trajectory(0, "g1", 0, guided=True, served=("gen-a",), env_error="scienceworld: step failed"))
+    join.add_trajectory(trajectory(0, "g1", 1, guided=True, served=("gen-b",)))
+    assert join.outcomes == {"gen-b": {"t-0-g1-1-train": -1.0}}
+
+
+def test_an_engine_failure_cannot_be_a_success():
+    with pytest.raises(ValueError, match="engine failed cannot be a success"):
+        trajectory(0, "g1", 0, success=True, env_error="boom")

@@ -169,3 +169,27 @@ def test_workers_read_the_run_config_and_nothing_from_the_environment(tmp_path, 
     environment = supervisor._environment()
     assert not [name for name in environment if name.startswith("CRL_")]
     assert environment["HOME"] == str(tmp_path) and environment["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_live_view_shows_each_family_of_a_mixture_at_the_newest_step():
+    import threading
+
+    from pipeline.run.view import numbers
+    from schemas.trajectories import Timings, TrajectoryCompleted
+
+    def episode(family: str, step: int, guided: bool, success: bool, split: str = "train") -> TrajectoryCompleted:
+        return TrajectoryCompleted(
+            run_id="r", producer=Producer(worker="t", instance="t"), trajectory_id=f"{family}-{step}-{guided}-{success}",
+            assignment_event_id="a", step=step, split=split, env_id=family, task_family=family, seed=1,
+            group_id="g", slot=0, guided=guided, goal="g", turns=(), reward=float(success), success=success,
+            num_actions=0, invalid_actions=0, truncated=False, policy_version=0,
+            timings=Timings(generation_s=0, env_s=0, retrieval_s=0))
+
+    progress = RunProgress("r")
+    for event in (episode("twx-twc", 0, True, False), episode("twx-twc", 1, True, True),
+                  episode("twx-twc", 1, False, False), episode("minihack-room", 1, False, True),
+                  episode("twx-twc", 0, False, True, split="eval")):
+        progress.add(event, 0)
+    figures = numbers(progress, threading.Lock(), steps=4)
+    assert figures["train by family"] == "minihack-room -/1.00 | twx-twc 1.00/0.00"
+    assert "eval by family" not in figures  # one family in the newest evaluation: the eval line says it
