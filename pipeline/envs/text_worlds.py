@@ -20,7 +20,10 @@ this module relies on (measured with textworld-express 1.1.0 and scienceworld 1.
 - The gold paths (`generateGoldPath`) solve every game from its start; they begin with `look around`, which the reset
   has already done. `expert_action` follows them while the episode stays on them: an action that is not the next
   gold action leaves the path unless it only looks (`look`, `examine`, `inventory`, `read`) — off the path the
-  solver has no action (None).
+  solver has no action (None). Coin Collector's gold path is a random walk that differs from call to call, so its
+  solver is our own (`CoinExplorer`): the reset searches the game once and restarts it, so the expert knows the way
+  to the coin, while `uninformed_actions` are the search's guesses from what the episode has seen; a fixed map per
+  seed makes Coin Collector a family where memory helps (a lesson can say where the coin is).
 - A response naming no listed action is invalid in TextWorldExpress (its parser knows only those); ScienceWorld
   parses free text itself, so such a response goes to the engine and is invalid only if the engine says "No known
   action matches that input."
@@ -66,16 +69,21 @@ _EXIT = re.compile(r"To the (North|South|East|West) you see the ([^.]+)\.")
 _ROOM = re.compile(r"You are in the ([^.]+)\.")
 
 
+_BACK = {"north": "south", "south": "north", "east": "west", "west": "east"}
+
+
 class CoinExplorer:
-    """Coin Collector's scripted solver: a depth-first search of the rooms (exits tried north, east, south, west;
-    back the way it came when a room has no unvisited neighbour), taking the coin once it is in sight. Deterministic
-    for a game, unlike the engine's gold path (a random walk that differs between calls), and it knows only what the
-    episode has shown. Assumes the default `includeDoors=0` (rooms open into each other)."""
+    """What an agent can know of a Coin Collector map from what it has seen: the rooms visited, the exits of the room
+    it is in, and the way back (a depth-first search's trail). `guesses` are the moves of a solver that knows only
+    that: take the coin once it is in sight, else go to a neighbour not visited yet (any of them: equally good
+    guesses, listed north, east, south, west), else go back the way it came. Deterministic for a game, unlike the
+    engine's gold path (a random walk that differs between calls). Assumes `includeDoors=0` (rooms open into each
+    other, as in the default parameters)."""
 
     ORDER = ("north", "east", "south", "west")
 
     def __init__(self) -> None:
-        self.visited: set[str] = set()
+        self.visited: list[str] = []
         self.trail: list[tuple[str, str]] = []
         """(room, the direction that leads back to it) of every room the search went forward from."""
         self.room = ""
@@ -84,29 +92,34 @@ class CoinExplorer:
     def see(self, look: str) -> None:
         room = _ROOM.search(look)
         self.room = room.group(1) if room else self.room
-        self.visited.add(self.room)
+        if self.room not in self.visited:
+            self.visited.append(self.room)
         self.exits = {direction.lower(): name for direction, name in _EXIT.findall(look)}
 
     def moved(self, action: str) -> None:
         """Record a move the episode made (whoever chose it), before `see` of the room it led to."""
         direction = action.removeprefix("move ")
-        back = {"north": "south", "south": "north", "east": "west", "west": "east"}.get(direction)
-        if back is None:
+        if direction not in _BACK:
             return
         if self.trail and self.trail[-1][1] == direction and self.exits.get(direction) == self.trail[-1][0]:
             self.trail.pop()  # went back
         else:
-            self.trail.append((self.room, back))
+            self.trail.append((self.room, _BACK[direction]))
 
-    def action(self, valid: tuple[str, ...]) -> str | None:
+    def guesses(self, valid: tuple[str, ...]) -> tuple[str, ...]:
         if "take coin" in valid:
-            return "take coin"
-        for direction in self.ORDER:
-            if self.exits.get(direction) not in (None, *self.visited) and f"move {direction}" in valid:
-                return f"move {direction}"
+            return ("take coin",)
+        unvisited = tuple(f"move {d}" for d in self.ORDER
+                          if self.exits.get(d) not in (None, *self.visited) and f"move {d}" in valid)
+        if unvisited:
+            return unvisited
         if self.trail and f"move {self.trail[-1][1]}" in valid:
-            return f"move {self.trail[-1][1]}"
-        return None
+            return (f"move {self.trail[-1][1]}",)
+        return ()
+
+    def route(self) -> list[str]:
+        """The moves from the start to the room the agent is in, without the detours (back along the trail)."""
+        return [f"move {_BACK[back]}" for _, back in self.trail]
 
 
 class _EngineEnv(TextEnv):
@@ -200,14 +213,35 @@ class TextWorldExpressEnv(_EngineEnv):
         self._loaded = False
         self._valid: tuple[str, ...] = ()
         self._explorer: CoinExplorer | None = None
+        self._route: tuple[str, ...] = ()
+        self._route_at: int | None = None
 
     def available_actions(self) -> tuple[str, ...]:
         return self._valid
 
     def expert_action(self) -> str | None:
-        if self._explorer is not None:
-            return None if self.done else self._explorer.action(self._valid)
-        return super().expert_action()
+        """The gold path's next action; in Coin Collector, the way to the coin (found by a search of the same game
+        before the episode), or the uninformed search once the episode has left it."""
+        if self._explorer is None:
+            return super().expert_action()
+        if self.done:
+            return None
+        if self._route_at is not None and self._route_at < len(self._route):
+            return self._route[self._route_at]
+        guesses = self._explorer.guesses(self._valid)
+        return guesses[0] if guesses else None
+
+    def uninformed_actions(self) -> tuple[str, ...]:
+        if self._explorer is None:
+            return super().uninformed_actions()
+        return () if self.done else self._explorer.guesses(self._valid)
+
+    def revealed(self) -> tuple[str, ...]:
+        if self._explorer is None or not self.done:
+            return super().revealed()
+        if self._taken and self._taken[-1] == "take coin":
+            return (f"the coin is reached from the start by: {', '.join(self._explorer.route()) or 'no move'}",)
+        return (f"no coin in: {', '.join(self._explorer.visited)}",)
 
     def _reset(self, seed: int) -> tuple[str, str]:
         if not self._loaded or self._game is None:
@@ -217,15 +251,41 @@ class TextWorldExpressEnv(_EngineEnv):
             self._loaded = True
         fold = task_fold(seed, self.settings.eval_fold)
         engine_seed = TWX_FOLD_BASE[fold] + twx_task(seed)[1]
-        info = json.loads(self._call("generateNewGameJSON", engine_seed, fold, True))
+        info = self._new_game(engine_seed, fold)
+        self._start_gold(list(self._call("getGoldActionSequence")))
+        goal = str(self._call("getTaskDescription")).strip()
+        self._explorer = None
+        if self.game == "coin":
+            self._route, self._route_at = self._search(info), 0
+            info = self._new_game(engine_seed, fold)  # the same game again, from its start
+            self._explorer = CoinExplorer()
+        return goal, self._observe(info, first=True)
+
+    def _new_game(self, engine_seed: int, fold: str) -> dict[str, Any]:
+        info: dict[str, Any] = json.loads(self._call("generateNewGameJSON", engine_seed, fold, True))
         if str(info["observation"]).startswith("ERROR:"):
             self._loaded = False
             raise ConfigError(f"{self.env_id}: the engine made no game of the parameters {self.params!r}: "
                               f"{info['observation']}")
-        self._start_gold(list(self._call("getGoldActionSequence")))
-        goal = str(self._call("getTaskDescription")).strip()
-        self._explorer = CoinExplorer() if self.game == "coin" else None
-        return goal, self._observe(info, first=True)
+        return info
+
+    def _search(self, info: dict[str, Any]) -> tuple[str, ...]:
+        """Coin Collector: search the game as the uninformed solver would (its first guess each turn) and return the
+        way to the coin without detours, ending with `take coin` (() if the search fails)."""
+        explorer = CoinExplorer()
+        explorer.see(str(info["look"]))
+        valid = tuple(info["validActions"])
+        for _ in range(4 * self.settings.step_limit):
+            guesses = explorer.guesses(valid)
+            if not guesses:
+                return ()
+            step = json.loads(self._call("stepJSON", guesses[0]))
+            if guesses[0] == "take coin":
+                return (*explorer.route(), "take coin") if step["tasksuccess"] else ()
+            explorer.moved(guesses[0])
+            explorer.see(str(step["look"]))
+            valid = tuple(step["validActions"])
+        return ()
 
     def _drop(self) -> None:
         self._loaded = False
@@ -236,6 +296,11 @@ class TextWorldExpressEnv(_EngineEnv):
         self._follow_gold(action)
         if self._explorer is not None:
             self._explorer.moved(action)
+            on_route = self._route_at is not None and self._route_at < len(self._route)
+            if on_route and self._route[self._route_at or 0] == action:
+                self._route_at = (self._route_at or 0) + 1
+            elif not action.startswith(_LOOKING):
+                self._route_at = None
         solved = bool(info["tasksuccess"])
         lost = bool(info["taskfailure"]) and not solved
         env_truncated = not solved and not lost and len(self._taken) > self.settings.step_limit

@@ -342,8 +342,9 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
         started = time.perf_counter()
         stats = train()
         stats["seconds"] = time.perf_counter() - started
-        log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs", kind, stats["steps"], stats["loss_first"],
-                 stats["loss_last"], stats["seconds"])
+        log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs; data episodes solved per family: %s", kind,
+                 stats["steps"], stats["loss_first"], stats["loss_last"], stats["seconds"],
+                 ", ".join(f"{f} {r:.2f}" for f, r in stats["episode_success_by_family"].items()))
         return stats
 
     if settings.cache_dir is None:

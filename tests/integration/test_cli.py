@@ -48,10 +48,11 @@ def test_doctor_embedded_passes_every_check():
         assert f"topic {topic.name}" in out
     for kind in EVENT_TYPES:
         assert f"round trip {kind}" in out
-    for check in ("SQL SQLite", "embedding model", "NLE / MiniHack"):
+    for check in ("SQL SQLite", "embedding model", "NLE / MiniHack", "textworld-express", "scienceworld"):
         assert check in out
+    assert out.count("JVM started") == 2  # each text-world engine started, a game reset and stepped
     assert "Tansu reports no broker configs" in out  # its limits row says why there is nothing to compare
-    checks = 1 + len(TOPICS) + 1 + len(EVENT_TYPES) + 3
+    checks = 1 + len(TOPICS) + 1 + len(EVENT_TYPES) + 5
     assert f"{checks} passed, 0 failed" in out
 
 
@@ -74,6 +75,15 @@ def test_doctor_checks_postgresql_when_configured_and_fails_on_a_bad_url(postgre
     bad = crl("doctor", "--embedded", env={"CRL_DB__URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
     assert bad.returncode == 1
     assert "1 failed" in bad.stdout
+
+
+def test_envs_list_says_what_each_environment_needs_and_whether_it_runs_here():
+    result = crl("envs", "list", env={"COLUMNS": "300"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 4}
+    for env_id in ("TWX-CookingWorld", "TWX-TWC", "TWX-CoinCollector", "ScienceWorld"):
+        assert "Java 17" in rows[env_id] and "│ yes" in rows[env_id]
+    assert "alfworld + its game files" in rows["ALFWorld"] and "no: see docs/environments.md" in rows["ALFWorld"]
 
 
 def test_doctor_without_a_broker_fails_with_the_reason(tmp_path):
