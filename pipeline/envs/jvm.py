@@ -2,7 +2,7 @@
 
     engine = jvm_engine("textworld-express")          # nothing starts yet
     game = engine.open()                                # starts the JVM on first use; a new game interface object
-    text = engine.call(game.stepJSON, "take key")       # a dead JVM or a Java exception -> EngineCrashedError
+    text = engine.call(game, "stepJSON", "take key")    # a dead JVM or a Java exception -> EngineCrashedError
     engine.release()                                    # the last user's release stops the JVM
 
 TextWorldExpress and ScienceWorld ship their engines as jars inside their wheels, with Python wrappers that start a
@@ -22,15 +22,13 @@ import contextlib
 import logging
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from pipeline.errors import EngineCrashedError, EnvUnavailableError
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -116,17 +114,16 @@ class JvmEngine:
             java_class = getattr(java_class, part)
         return java_class()
 
-    def call(self, method: Callable[..., T], *args: Any) -> T:
-        """`method(*args)` on a game interface; any failure becomes `EngineCrashedError`, and a JVM that no longer
-        answers is stopped so the next `open` starts a fresh one."""
+    def call(self, game: Any, method: str, *args: Any) -> Any:
+        """`game.method(*args)` on a game interface; any failure becomes `EngineCrashedError`, and a JVM that no
+        longer answers is stopped so the next `open` starts a fresh one."""
         try:
-            return method(*args)
+            return getattr(game, method)(*args)
         except Exception as exc:  # py4j: Py4JJavaError (the engine threw), Py4JNetworkError / Py4JError (gone)
             with self._lock:
                 if self._gateway is not None and not self._answers():
                     self._stop()
-            name = getattr(method, "name", getattr(method, "__name__", "call"))
-            raise EngineCrashedError(f"{self.spec.name}: {name} failed ({type(exc).__name__}: "
+            raise EngineCrashedError(f"{self.spec.name}: {method} failed ({type(exc).__name__}: "
                                      f"{str(exc).strip()[:500]})") from exc
 
     def release(self) -> None:
@@ -154,7 +151,9 @@ class JvmEngine:
                                       "install openjdk-17-jre-headless)")
         port, process = launch_gateway(classpath=str(jar), die_on_exit=True, cwd=str(jar.parent),
                                        javaopts=["-Xverify:none", "-XX:+UseSerialGC"], return_proc=True)
-        self._gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
+        # auto_field off: a method call is one round trip (with it, py4j first asks the JVM whether the name is a
+        # field, on every call).
+        self._gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=False, port=port),
                                     java_process=process)
         self.starts += 1
         log.info("%s: JVM %d started (pid %d)", self.spec.name, self.starts, process.pid)

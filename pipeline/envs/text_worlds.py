@@ -67,8 +67,6 @@ def twx_task(seed: int) -> tuple[str, int]:
 
 _EXIT = re.compile(r"To the (North|South|East|West) you see the ([^.]+)\.")
 _ROOM = re.compile(r"You are in the ([^.]+)\.")
-
-
 _BACK = {"north": "south", "south": "north", "east": "west", "west": "east"}
 
 
@@ -146,7 +144,7 @@ class _EngineEnv(TextEnv):
     def _call(self, name: str, *args: Any) -> Any:
         game = self._interface()
         try:
-            return self.engine.call(getattr(game, name), *args)
+            return self.engine.call(game, name, *args)
         except EngineCrashedError:
             self._drop()
             raise

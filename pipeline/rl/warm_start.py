@@ -6,7 +6,8 @@ freshly built policy for `warm_start.steps` AdamW steps (off by default; the tin
 configs start from pretrained models instead):
 
 - **actor: behaviour cloning** from scripted solvers (`TextEnv.expert_action`: MiniHack Room heads for the stairs,
-  the dark corridors' solver knows the layout, Sokoban follows its BFS solution). Data episodes are played by the
+  the dark corridors' solver knows the layout, Sokoban follows its BFS solution, the text worlds follow their
+  engines' gold paths, Coin Collector's solver knows where the coin is). Data episodes are played by the
   solver, by a solver that knows only what the episode has shown (`TextEnv.uninformed_actions`) or at random, so the
   states are varied; the prompt is the rollout worker's own (`render_actor_prompt`). A third of the prompts carry
   an informative lesson (of a play of the same task, stating what that task revealed) and are labelled with the
