@@ -228,11 +228,11 @@ def verdict_lines(run: RunOutcomes, resamples: int = 2000) -> list[str]:
     evaluation with 95% intervals over the pool's tasks, whether it rose, and guided against free at the end."""
     lines = []
     for row in arm_table([run], resamples):
+        steps = run.eval_steps("t" if row.pool == "unseen" else "r")
         if row.after is None or row.rise is None:
             lines.append(f"eval success, {row.pool} tasks, {row.kind}: {_interval(row.before)} at step "
-                         f"{run.eval_steps(row.pool[0])[0]} (one evaluation)")
+                         f"{steps[0]} (one evaluation)")
             continue
-        steps = run.eval_steps("t" if row.pool == "unseen" else "r")
         lines.append(f"eval success, {row.pool} tasks ({row.tasks}), {row.kind}: {_interval(row.before)} at step "
                      f"{steps[0]} -> {_interval(row.after)} at step {steps[-1]}: {row.verdict} "
                      f"({_interval(row.rise, signed=True)})")

@@ -48,10 +48,10 @@ def _run(run_dir: Path, config: str, steps: int, **settings: str) -> tuple[Path,
 @pytest.fixture(scope="module")
 def coin_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], str]:
     # Three steps of two groups of 8 (step 0 fills the bank, steps 1 and 2 are guided), a merge after step 1, and an
-    # evaluation of 4 unseen maps before training and at the last step.
+    # evaluation of 4 unseen and 2 recurring maps before training and at the last step.
     return _run(tmp_path_factory.mktemp("e2e") / "coin", "configs/tiny-textworld.yaml", 3,
                 CRL_SCHEDULER__MERGE_EVERY="2", CRL_SCHEDULER__EVAL_EVERY="2", CRL_ACTOR_TRAINER__GROUPS_PER_STEP="2",
-                CRL_ENVS__EVAL_TASKS_PER_ENV="4")
+                CRL_ENVS__EVAL_TASKS_PER_ENV="4", CRL_ENVS__EVAL_RECURRING_PER_ENV="2")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_the_coin_collector_run_plays_distils_trains_and_replays(coin_run):
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step >= 1 AND guided") == 16
         assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2
         rows = audit.query("SELECT split, sum(episodes) FROM family_success GROUP BY split ORDER BY split")[1]
-        assert rows == [("eval", 2 * 4 * 2), ("train", 3 * 16)]
+        assert rows == [("eval", 2 * (4 + 2) * 2), ("train", 3 * 16)]
     _replays_match(run_dir, env, actor_steps=2)
 
 

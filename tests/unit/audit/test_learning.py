@@ -164,3 +164,14 @@ def test_success_curves_put_each_step_at_the_mean_environment_steps_played_by_it
     assert all(p.success.low <= p.success.value <= p.success.high for p in curve)
     free_only = success_curve([a, b], lambda g: g.free)
     assert [p.success.value for p in free_only] == [0.0, 0.5]
+
+
+def test_a_run_with_one_evaluation_says_so_for_each_pool():
+    """A run stopped after its first evaluation (Ctrl-C during step 0): each pool's line names that one step."""
+    run = outcomes({(0, ENV, "t", 100): {True: [True], False: [False]},
+                    (0, ENV, "r", 101): {True: [False], False: [True]}})
+    lines = verdict_lines(run)
+    assert [line.split(": ")[0] for line in lines] == [
+        "eval success, unseen tasks, guided", "eval success, unseen tasks, free",
+        "eval success, recurring tasks, guided", "eval success, recurring tasks, free"]
+    assert all(line.endswith("at step 0 (one evaluation)") for line in lines)
