@@ -36,9 +36,10 @@ experience of its last, so a backend that keeps a session's keys and values pref
 session ends with the episode. Timings per episode: its share of each batched generation, its own env time, and the
 time it waited for retrieval before it could play (`retrieval_s`: from admission, or from its `ask`, to joining).
 
-An engine that fails (`EngineCrashedError`: a text world's JVM died or threw) fails only the episode it was playing:
-it finishes at once, unsuccessful, with the reason in `TrajectoryCompleted.env_error` (the turn whose step failed is
-recorded, as invalid); the environment opens a fresh engine at its next reset, and the worker plays on.
+An engine that fails (`EngineCrashedError`: a text world's JVM died or threw) fails the episode whose reset or step
+hit it (a dead JVM: every episode on it, each at its next step), never the worker: it finishes at once, unsuccessful,
+with the reason in `TrajectoryCompleted.env_error` (the turn whose step failed is recorded, as invalid); the
+environment opens a fresh engine at its next reset, and the worker plays on.
 """
 
 from __future__ import annotations
