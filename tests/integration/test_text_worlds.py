@@ -205,19 +205,23 @@ def test_a_crash_at_the_reset_fails_that_episode_before_its_first_turn():
     player.policy, player.version = build_tiny(TinyModelSettings()), 0
     engine = jvm_engine("textworld-express")
     try:
-        player.start([(_assignment("TWX-TWC", 0, 7), ("crl.tasks", 0), 0)])
-        player.play_turn()
+        # an idle environment of the worker's pool holds a game object in the running JVM...
+        idle = player.envs.get(_assignment("TWX-TWC", 0, 7))
+        idle.reset(7)
+        player.envs.put(_assignment("TWX-TWC", 0, 7), idle)
+        starts = engine.starts
         engine.process.kill()
         engine.process.wait(timeout=10)
-        # the idle env of the finished or running episode holds a dead interface: a new episode's reset fails...
-        env = player.envs.get(_assignment("TWX-TWC", 1, 9))
-        player.envs.put(_assignment("TWX-TWC", 1, 9), env)
-        env._game = player.active[0].env._game if player.active else env._interface()
+        # ...so the next episode's reset reaches the dead JVM: that episode fails before its first turn
         player.start([(_assignment("TWX-TWC", 1, 9), ("crl.tasks", 0), 1)])
         failed = player.take_failed()
-        assert len(failed) == 1 and failed[0].turns == () and "textworld-express" in (failed[0].env_error or "")
-        # ...and the one after it opens a fresh JVM
+        assert len(failed) == 1 and failed[0].turns == () and not failed[0].success
+        assert "textworld-express: generateNewGameJSON failed" in (failed[0].env_error or "")
+        # and the one after it, on the same environment, opens a fresh JVM and plays
         player.start([(_assignment("TWX-TWC", 2, 11), ("crl.tasks", 0), 2)])
-        assert player.take_failed() == [] and any(e.turns == [] for e in player.active)
+        assert player.take_failed() == [] and len(player.active) == 1 and engine.starts == starts + 1
+        while player.active:
+            finished = player.play_turn()
+        assert finished[0].env_error is None and finished[0].turns
     finally:
         player.close()
