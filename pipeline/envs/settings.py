@@ -39,7 +39,8 @@ class TextWorldSettings(BaseModel):
         "`includeDoors`).")
     scienceworld_task: str = Field(
         default="find-living-thing",
-        description="The ScienceWorld task type (`crl envs show ScienceWorld` lists them; 30 in all).")
+        description="The ScienceWorld task type, e.g. find-living-thing, boil, melt (30 in all; an unknown name is an "
+        "error that lists them).")
     scienceworld_simplifications: str = Field(
         default="easy", description="ScienceWorld's simplifications, comma-separated ('easy': all of them; '': none).")
     scienceworld_variation: int | None = Field(

@@ -335,6 +335,7 @@ class ScienceWorldEnv(_EngineEnv):
         self.task = settings.scienceworld_task
         self._variations: dict[str, list[int]] = {}
         self._valid: tuple[str, ...] = ()
+        self._task_checked = False
         self.variation = -1
 
     def available_actions(self) -> tuple[str, ...]:
@@ -344,18 +345,24 @@ class ScienceWorldEnv(_EngineEnv):
         """The engine's variation indices of this task for `fold` (train, dev or test)."""
         if fold not in self._variations:
             if not self._variations:
-                names = list(self._call("getTaskNames"))
-                if self.task not in names:
-                    raise ConfigError(f"unknown ScienceWorld task {self.task!r}; valid values: {sorted(names)}")
+                self._check_task()
                 # the variation lists are those of the loaded task
                 self._call("load", self.task, 0, self.settings.scienceworld_simplifications, False)
             method = {"train": "getVariationsTrain", "dev": "getVariationsDev", "test": "getVariationsTest"}[fold]
             self._variations[fold] = sorted(int(v) for v in self._call(method))
         return self._variations[fold]
 
+    def _check_task(self) -> None:
+        if not self._task_checked:
+            names = list(self._call("getTaskNames"))
+            if self.task not in names:
+                raise ConfigError(f"unknown ScienceWorld task {self.task!r}; valid values: {sorted(names)}")
+            self._task_checked = True
+
     def _reset(self, seed: int) -> tuple[str, str]:
         fold = task_fold(seed, self.settings.eval_fold)
         if self.settings.scienceworld_variation is not None:
+            self._check_task()
             self.variation = self.settings.scienceworld_variation
         else:
             variations = self.variations(fold)

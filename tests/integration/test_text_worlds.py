@@ -140,12 +140,14 @@ def test_bad_game_parameters_and_tasks_are_config_errors():
                 bad.reset(1)
         finally:
             bad.close()
-    unknown = make_env("ScienceWorld", EnvSettings(text_worlds=TextWorldSettings(scienceworld_task="fly")))
-    try:
-        with pytest.raises(ConfigError, match="unknown ScienceWorld task 'fly'"):
-            unknown.reset(1)
-    finally:
-        unknown.close()
+    for pinned in (None, 3):
+        unknown = make_env("ScienceWorld", EnvSettings(text_worlds=TextWorldSettings(
+            scienceworld_task="fly", scienceworld_variation=pinned)))
+        try:
+            with pytest.raises(ConfigError, match="unknown ScienceWorld task 'fly'; valid values: .*'boil'"):
+                unknown.reset(1)
+        finally:
+            unknown.close()
 
 
 def test_a_killed_jvm_fails_the_step_and_the_next_reset_starts_a_fresh_one():
