@@ -144,7 +144,7 @@ def test_bad_game_parameters_and_tasks_are_config_errors():
         unknown = make_env("ScienceWorld", EnvSettings(text_worlds=TextWorldSettings(
             scienceworld_task="fly", scienceworld_variation=pinned)))
         try:
-            with pytest.raises(ConfigError, match="unknown ScienceWorld task 'fly'; valid values: .*'boil'"):
+            with pytest.raises(ConfigError, match=r"unknown ScienceWorld task 'fly'; valid values: .*'boil'"):
                 unknown.reset(1)
         finally:
             unknown.close()
