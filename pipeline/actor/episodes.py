@@ -475,5 +475,9 @@ class EpisodePlayer:
         )
 
     def close(self) -> None:
+        """Stop the retrieval thread and close every environment, idle or in flight (the last one to close stops its
+        engine's JVM)."""
         self.background.close()
+        for episode in self.active:
+            episode.env.close()
         self.envs.close()

@@ -198,6 +198,11 @@ def test_a_crash_fails_the_episodes_it_hits_and_the_worker_plays_on():
         while player.active:
             finished = player.play_turn()
         assert finished[0].env_error is None and len(finished[0].turns) == 8 and engine.starts == starts + 1
+        # the worker stops with an episode in flight: its engine stops with it
+        player.start([(_assignment("ScienceWorld", 3, 9), ("crl.tasks", 0), 3)])
+        process = engine.process
+        player.close()
+        assert engine.process is None and process.wait(timeout=10) is not None
     finally:
         player.close()
 
