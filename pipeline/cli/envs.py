@@ -85,12 +85,10 @@ def envs_random_play(
     for task in settings.tasks:
         spec = env_spec(task.env_id)
         turns = max_turns or task.max_turns or spec.max_turns
-        found = random_play(task.env_id, settings, max_turns=turns,
-                            seeds=task_pool(task.env_id, "eval", episodes, settings.seed), rng_seed=settings.seed)
+        seeds = task_pool(task.env_id, "eval", episodes, settings.seed)
+        found = random_play(task.env_id, settings, max_turns=turns, seeds=seeds, rng_seed=settings.seed)
         low, high = found.interval()
-        solved = random_play(task.env_id, settings, max_turns=turns, seeds=task_pool(task.env_id, "eval", episodes,
-                                                                                    settings.seed),
-                             rng_seed=settings.seed, solver=True)
+        solved = random_play(task.env_id, settings, max_turns=turns, seeds=seeds, rng_seed=settings.seed, solver=True)
         table.add_row(task.env_id, spec.task_family, str(turns), str(found.episodes), f"{found.rate:.3f}",
                       f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}", f"{solved.rate:.3f}")
     console.print(table)

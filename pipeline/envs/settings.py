@@ -27,8 +27,8 @@ class TextWorldSettings(BaseModel):
 
     cookingworld: str = Field(
         default="numLocations=1,numIngredients=2,numDistractorItems=2,includeDoors=0,limitInventorySize=0",
-        description="TextWorldExpress CookingWorld's game parameters (its own `key=value,...` string; TWX's paper "
-        "setting is numLocations=1,numIngredients=2,numDistractorItems=5,includeDoors=0).")
+        description="TextWorldExpress CookingWorld's game parameters, in the engine's own `key=value,...` form "
+        "(`numLocations`, `numIngredients`, `numDistractorItems`, `includeDoors`, `limitInventorySize`).")
     twc: str = Field(
         default="numLocations=1,numItemsToPutAway=2,includeDoors=0,limitInventorySize=0",
         description="TextWorld Commonsense's game parameters (`numLocations`, `numItemsToPutAway`, `includeDoors`, "

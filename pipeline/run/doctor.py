@@ -309,7 +309,10 @@ def _engine_check(name: str, settings: Settings) -> Check:
         finally:
             env.close()
         return f"JVM started, {env_ids[0]} reset and stepped ({len(outcome.info.available_actions)} valid actions)"
-    return _attempt(label, play)
+    check = _attempt(label, play)
+    if used or check.ok:
+        return check
+    return Check(label, True, f"{check.detail}; the config does not play it")
 
 
 def run_checks(settings: Settings, embedded: bool) -> list[Check]:
