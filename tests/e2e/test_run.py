@@ -71,10 +71,12 @@ def test_the_log_holds_the_whole_loop(finished_run):
         assert config["extractor_trainer"]["warm_start"]["steps"] > 0
         assert one("SELECT status FROM run_finished") == "completed"
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 4 * 16
-        # step 2 is guided: half of each group, served experiences distilled from steps 0 and 1 (there is no
-        # barrier: an episode that starts before any distillation of its family is applied is served nothing)
+        # steps 2 and 3 are guided: half of each group, served experiences distilled from the steps before. There
+        # is no barrier: an episode that starts before any distillation of its family is applied is served nothing,
+        # which on a loaded machine can be every guided episode of step 2 (a CI run saw it); step 3 starts a whole
+        # actor update later.
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step = 2 AND guided") == 8
-        assert one("SELECT count(*) FROM trajectories WHERE step = 2 AND guided AND split = 'train' "
+        assert one("SELECT count(*) FROM trajectories WHERE step >= 2 AND guided AND split = 'train' "
                    "AND served != '[]'") >= 1
         assert one("SELECT count(*) FROM trajectories WHERE NOT guided AND served != '[]'") == 0
         assert one("SELECT count(*) FROM trajectories WHERE split = 'train' AND step < 2 AND guided") == 0

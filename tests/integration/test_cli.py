@@ -64,7 +64,7 @@ def test_doctor_embedded_apache_kafka_passes_every_check_and_reads_the_broker_li
     assert "embedded Apache Kafka 4.1.1 at 127.0.0.1:" in out
     assert "CRL_KAFKA__SESSION_TIMEOUT_MS=6000 within the broker's [6000, 1800000] ms" in out
     assert "records up to 1049600 bytes fit" in out and "every registry topic keeps its records" in out
-    checks = 1 + len(TOPICS) + 3 + len(EVENT_TYPES) + 3
+    checks = 1 + len(TOPICS) + 3 + len(EVENT_TYPES) + 5  # SQL, embeddings, NLE and the two text-world engines
     assert f"{checks} passed, 0 failed" in out
 
 
