@@ -175,7 +175,8 @@ class _EngineEnv(TextEnv):
         return self._gold[self._gold_at]
 
     def gold_path(self) -> tuple[str, ...]:
-        """The engine's gold actions for this episode's game, from its start (the reset's `look around` left out)."""
+        """The engine's gold actions for this episode's game, from its start (the reset's `look around` left out);
+        () for Coin Collector, whose solver is the search."""
         return tuple(self._gold)
 
     def revealed(self) -> tuple[str, ...]:
@@ -249,18 +250,19 @@ class TextWorldExpressEnv(_EngineEnv):
             self._loaded = True
         fold = task_fold(seed, self.settings.eval_fold)
         engine_seed = TWX_FOLD_BASE[fold] + twx_task(seed)[1]
-        info = self._new_game(engine_seed, fold)
-        self._start_gold(list(self._call("getGoldActionSequence")))
+        coin = self.game == "coin"  # its gold path is a random walk: not generated, the search below replaces it
+        info = self._new_game(engine_seed, fold, gold=not coin)
+        self._start_gold([] if coin else list(self._call("getGoldActionSequence")))
         goal = str(self._call("getTaskDescription")).strip()
         self._explorer = None
-        if self.game == "coin":
+        if coin:
             self._route, self._route_at = self._search(info), 0
-            info = self._new_game(engine_seed, fold)  # the same game again, from its start
+            info = self._new_game(engine_seed, fold, gold=False)  # the same game again, from its start
             self._explorer = CoinExplorer()
         return goal, self._observe(info, first=True)
 
-    def _new_game(self, engine_seed: int, fold: str) -> dict[str, Any]:
-        info: dict[str, Any] = json.loads(self._call("generateNewGameJSON", engine_seed, fold, True))
+    def _new_game(self, engine_seed: int, fold: str, *, gold: bool) -> dict[str, Any]:
+        info: dict[str, Any] = json.loads(self._call("generateNewGameJSON", engine_seed, fold, gold))
         if str(info["observation"]).startswith("ERROR:"):
             self._loaded = False
             raise ConfigError(f"{self.env_id}: the engine made no game of the parameters {self.params!r}: "
@@ -294,9 +296,9 @@ class TextWorldExpressEnv(_EngineEnv):
         self._follow_gold(action)
         if self._explorer is not None:
             self._explorer.moved(action)
-            on_route = self._route_at is not None and self._route_at < len(self._route)
-            if on_route and self._route[self._route_at or 0] == action:
-                self._route_at = (self._route_at or 0) + 1
+            at = self._route_at
+            if at is not None and at < len(self._route) and self._route[at] == action:
+                self._route_at = at + 1
             elif not action.startswith(_LOOKING):
                 self._route_at = None
         solved = bool(info["tasksuccess"])
