@@ -19,6 +19,9 @@ from kafka.structs import OffsetAndMetadata
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from infra.errors import ConfigError
+from infra.kafka_io_loop import guard_cross_thread_calls
+
+guard_cross_thread_calls()
 
 
 class KafkaSettings(BaseModel):

@@ -31,6 +31,8 @@ from pipeline.errors import (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VALIDATORS = {"field_validator", "model_validator", "validator", "root_validator"}
 ALLOWED = {"Exit"}  # typer.Exit: the CLI's exit code, not an error
+# Stands in for a kafka-python method, so it raises what that method raises and its callers already handle.
+LIBRARY_STAND_INS = {"infra.kafka_io_loop"}
 
 
 def _raised_names(tree: ast.AST) -> list[tuple[int, str]]:
@@ -83,6 +85,8 @@ def test_every_raise_is_a_pipeline_error() -> None:
     for module_name, path in _modules():
         raised = _raised_names(ast.parse(path.read_text()))
         if not raised:
+            continue
+        if module_name in LIBRARY_STAND_INS:
             continue
         module = importlib.import_module(module_name)
         for line, name in raised:
