@@ -2,9 +2,11 @@
 
 Creation is idempotent: an existing topic with the registry's partition count is left alone; one with a different
 count is an error (partitions cannot be changed later on the embedded broker, and changing them on Kafka re-keys
-the log). Two topic configs are set at creation: retention (`retention.ms`, -1 = forever) and the largest record
+the log). Three topic configs are set at creation: retention (`retention.ms`, -1 = forever), the largest record
 (`max.message.bytes`, so a stock broker's 1 MiB default does not refuse a record at the app's 1 MiB payload cap
-plus its key and headers). Tansu accepts both and ignores them.
+plus its key and headers) and `min.insync.replicas`. Tansu accepts them and ignores them. Topics get one replica on
+one broker and three (two in sync) on a cluster of three or more (`Replication`; `CRL_KAFKA__REPLICATION_FACTOR`
+and `CRL_KAFKA__MIN_INSYNC_REPLICAS` override).
 """
 
 from __future__ import annotations
@@ -78,10 +80,41 @@ def wait_for_leaders(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS, 
         time.sleep(0.2)
 
 
-def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> dict[str, str]:
+@dataclass(frozen=True)
+class Replication:
+    """How many copies of each partition the topics get, and how many must be in sync for a write to land."""
+
+    replicas: int
+    min_insync: int
+
+    @property
+    def topic_configs(self) -> dict[str, str]:
+        return {"min.insync.replicas": str(self.min_insync)}
+
+
+def replication_for(admin: KafkaAdminClient, replicas: int | None = None, min_insync: int | None = None) -> Replication:
+    """The replication of new topics: `replicas` (default: min(3, the brokers the cluster has)) and `min_insync`
+    (default: 2 of 3 or more replicas, else 1). Raises `ConfigError` when the cluster has fewer brokers than
+    replicas, or when more replicas must be in sync than exist."""
+    brokers = len(admin.describe_cluster()["brokers"])
+    replicas = replicas or min(3, brokers)
+    if replicas > brokers:
+        raise ConfigError(f"topics with {replicas} replicas need {replicas} brokers; the cluster has {brokers} "
+                          "(CRL_KAFKA__REPLICATION_FACTOR)")
+    min_insync = min_insync or (2 if replicas >= 3 else 1)
+    if min_insync > replicas:
+        raise ConfigError(f"min.insync.replicas {min_insync} is more than the {replicas} replicas of each partition "
+                          "(CRL_KAFKA__MIN_INSYNC_REPLICAS): no write could ever land")
+    return Replication(replicas, min_insync)
+
+
+def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS, *, replicas: int | None = None,
+                  min_insync: int | None = None) -> dict[str, str]:
     """Create every topic that is missing and wait until every partition has a leader. Returns `{name: "created" |
-    "exists"}`; raises `TopicMismatchError`."""
+    "exists"}`; raises `TopicMismatchError`. Replication as `replication_for` says: by default one copy on one
+    broker, three with two in sync on a cluster of three or more."""
     topics = list(topics)
+    replication = replication_for(admin, replicas, min_insync)
     existing = existing_partition_counts(admin)
     result: dict[str, str] = {}
     for topic in topics:
@@ -99,9 +132,10 @@ def create_topics(admin: KafkaAdminClient, topics: Iterable[Topic] = TOPICS) -> 
                     NewTopic(
                         topic.name,
                         topic.partitions,
-                        1,
+                        replication.replicas,
                         topic_configs={"retention.ms": str(topic.retention_ms),
-                                       "max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)},
+                                       "max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES),
+                                       **replication.topic_configs},
                     )
                 ]
             )

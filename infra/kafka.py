@@ -78,6 +78,12 @@ class KafkaSettings(BaseModel):
     max_poll_interval_ms: int = Field(
         default=300_000, gt=0, description="Longest gap between polls before a group member is considered gone.")
     request_timeout_ms: int = Field(default=30_000, gt=0, description="How long a client waits for one request.")
+    # Replication of the topics `crl topics create` makes (existing topics keep theirs).
+    replication_factor: int | None = Field(
+        default=None, ge=1, description="Replicas of each new topic. None: min(3, the brokers the cluster has).")
+    min_insync_replicas: int | None = Field(
+        default=None, ge=1,
+        description="Replicas a write with acks=all must reach. None: 2 with 3 or more replicas, else 1.")
     # Riding out a broker restart: clients reconnect at most a second after the broker is back (kafka-python's
     # default backs off up to 30 s), and a producer keeps a record for up to two minutes of outage before it
     # reports the send as failed.

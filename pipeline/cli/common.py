@@ -148,10 +148,29 @@ BrokerOption = Annotated[BrokerChoice | None, typer.Option(
     "durable). Default: CRL_BROKER__KIND, else tansu.")]
 
 
-def with_broker(settings: Settings, broker: BrokerChoice | None) -> Settings:
-    if broker is None:
+BrokersOption = Annotated[int | None, typer.Option(
+    "--brokers", min=1, max=9, help="Nodes of the embedded Apache Kafka: 3 starts a replicated KRaft cluster (3 "
+    "replicas, 2 in sync) that survives one dead node. Default: CRL_BROKER__BROKERS, else 1.")]
+
+
+def with_broker(settings: Settings, broker: BrokerChoice | None, brokers: int | None = None) -> Settings:
+    """`settings` with the embedded broker the command line chose (kind and number of nodes)."""
+    update: dict[str, Any] = {}
+    if broker is not None:
+        update["kind"] = broker.value
+    if brokers is not None:
+        update["brokers"] = brokers
+    if not update:
         return settings
-    return settings.model_copy(update={"broker": settings.broker.model_copy(update={"kind": broker.value})})
+    from pydantic import ValidationError
+
+    from infra.broker import BrokerSettings
+
+    try:
+        chosen = BrokerSettings.model_validate(settings.broker.model_dump() | update)
+    except ValidationError as exc:
+        raise fail(str(exc.errors()[0]["msg"]).removeprefix("Value error, "), 2) from exc
+    return settings.model_copy(update={"broker": chosen})
 
 
 def bank_store(run_dir: Path) -> Any:

@@ -11,6 +11,7 @@ import typer
 
 from pipeline.cli.common import (
     BrokerOption,
+    BrokersOption,
     RunDirOption,
     State,
     configure_logging,
@@ -38,6 +39,7 @@ def run(
     arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
     report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,
     broker_kind: BrokerOption = None,
+    brokers: BrokersOption = None,
 ) -> None:
     """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
 
@@ -45,9 +47,10 @@ def run(
     from pipeline.run.supervisor import RUN_CONFIG
 
     if resume is not None:
-        if config is not None or steps is not None or arm is not None or broker_kind is not None or run_dir:
+        if config is not None or steps is not None or arm is not None or broker_kind is not None or brokers \
+                or run_dir:
             raise fail("--resume continues a run with its own settings (RUN_DIR/config.yaml): give no CONFIG, "
-                       "--steps, --arm, --broker or --run-dir with it", 2)
+                       "--steps, --arm, --broker, --brokers or --run-dir with it", 2)
         if not (resume / RUN_CONFIG).is_file():
             raise fail(f"{resume} holds no {RUN_CONFIG}: not a run directory that `crl run` made", 2)
         _supervise(Settings(config=resume / RUN_CONFIG, run_dir=resume), report, resume=True)
@@ -60,6 +63,8 @@ def run(
     overrides: dict[str, Any] = {"scheduler": scheduler}
     if broker_kind is not None:
         overrides["broker"] = {"kind": broker_kind.value}
+    if brokers is not None:
+        overrides["broker"] = overrides.get("broker", {}) | {"brokers": brokers}
     # This is the settings edge: the options override the config and the CRL_* variables; the workers read the
     # result from RUN_DIR/config.yaml (`RunSupervisor`).
     overrides["run_dir"] = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ

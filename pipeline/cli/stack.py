@@ -10,6 +10,7 @@ import typer
 
 from pipeline.cli.common import (
     BrokerOption,
+    BrokersOption,
     RunDirOption,
     console,
     current_settings,
@@ -26,13 +27,14 @@ def stack_up(
     run_dir: RunDirOption = None,
     port: Annotated[int | None, typer.Option(help="Loopback port for the broker (default: a free one).")] = None,
     broker_kind: BrokerOption = None,
+    brokers: BrokersOption = None,
 ) -> None:
     """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
     from infra.admin import create_topics
     from infra.broker import embedded_broker, remove_broker_file, write_broker_file
     from infra.kafka import make_admin
 
-    settings = with_broker(current_settings(run_dir), broker_kind)
+    settings = with_broker(current_settings(run_dir), broker_kind, brokers)
     broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
                              log_path=settings.run_dir / "logs" / "broker.log", port=port)
     with errors.status(f"starting {broker.description}"):
@@ -43,10 +45,11 @@ def stack_up(
     try:
         admin = make_admin(settings.with_bootstrap(broker.bootstrap_servers).kafka)
         try:
-            create_topics(admin)
+            create_topics(admin, replicas=settings.kafka.replication_factor,
+                          min_insync=settings.kafka.min_insync_replicas)
         finally:
             admin.close()
-        write_broker_file(settings.run_dir, broker.bootstrap_servers, broker.pid, broker.kind)
+        write_broker_file(settings.run_dir, broker)
         memory = broker.resident_memory_bytes()
         console.print(f"broker  {broker.bootstrap_servers}  ({broker.description} pid {broker.pid}, started in "
                       f"{broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB resident, log {broker.log_path})")

@@ -21,8 +21,9 @@ def topics_create(run_dir: RunDirOption = None) -> None:
     """Create every registry topic with its partition count (idempotent)."""
     from infra.admin import create_topics
 
+    kafka = current_settings(run_dir).kafka
     with broker_admin(run_dir) as admin:
-        result = create_topics(admin)
+        result = create_topics(admin, replicas=kafka.replication_factor, min_insync=kafka.min_insync_replicas)
     for name, outcome in result.items():
         console.print(f"{outcome:8} {name}")
 

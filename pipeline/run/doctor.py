@@ -84,7 +84,7 @@ def _topic_checks(kafka: KafkaSettings, create: bool) -> list[Check]:
     admin = make_admin(kafka)
     try:
         if create:
-            create_topics(admin)
+            create_topics(admin, replicas=kafka.replication_factor, min_insync=kafka.min_insync_replicas)
         counts = existing_partition_counts(admin)
     finally:
         admin.close()

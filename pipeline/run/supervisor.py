@@ -56,6 +56,7 @@ from infra.admin import create_topics
 from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remove_broker_file, write_broker_file
 from infra.db import database_url, make_engine, migrate
 from infra.kafka import make_admin, make_producer
+from infra.kafka_cluster import ApacheKafkaCluster
 from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.errors import RunFailedError
 from pipeline.run.plan import planned_kinds, worker_plan
@@ -98,6 +99,8 @@ class RunSupervisor:
         self.interrupts = 0
         self.started = time.monotonic()
         self.stop_sent = False
+        self.lost_nodes: set[int] = set()
+        """Nodes of the embedded cluster found dead (each reported once)."""
         self.broker_lost = False
         """The embedded broker died: the workers cannot drain into it, so they get seconds, not a minute, to stop."""
 
@@ -134,16 +137,34 @@ class RunSupervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.interrupts += 1
 
+    def _watch_broker(self) -> None:
+        """Fail the run when the embedded broker is gone; report each node a cluster loses (it carries on)."""
+        assert self.broker is not None
+        if isinstance(self.broker, ApacheKafkaCluster):
+            for node in self.broker.nodes:
+                if not node.is_running() and node.node_id not in self.lost_nodes:
+                    self.lost_nodes.add(node.node_id)
+                    alive = self.broker.brokers - len(self.lost_nodes)
+                    self.console.print(f"broker node {node.node_id} exited (see {node.log_path}); the cluster "
+                                       f"carries on with {alive} of {self.broker.brokers}", highlight=False)
+        if not self.broker.is_running():
+            self.broker_lost = True
+            logs = self.run_dir / "logs" / ("broker-*.log" if isinstance(self.broker, ApacheKafkaCluster)
+                                            else "broker.log")
+            raise RunFailedError(f"the broker exited ({self.broker.description}); see {logs}")
+
     def _start_broker(self) -> None:
         launch = self.run_dir / LAUNCH_FILE
         if self.resume:
             if not launch.is_file():
                 raise RunFailedError(f"{self.run_dir} has no {LAUNCH_FILE}: the run was started by a `crl run` that "
                                      "did not record which broker it used, so it cannot be resumed")
-            embedded = json.loads(launch.read_text())["embedded_broker"]
+            launched = json.loads(launch.read_text())
+            embedded = launched["embedded_broker"]
             if embedded is not None:
                 self.settings = self.settings.model_copy(update={
-                    "broker": self.settings.broker.model_copy(update={"kind": embedded}),
+                    "broker": self.settings.broker.model_copy(
+                        update={"kind": embedded, "brokers": launched.get("brokers", 1)}),
                     "kafka": self.settings.kafka.model_copy(update={"bootstrap_servers": None})})
         if not self.settings.kafka.bootstrap_servers:
             self.broker = embedded_broker(self.settings.broker, data_dir=self.run_dir / "kafka",
@@ -153,12 +174,15 @@ class RunSupervisor:
             self.console.print(f"broker {self.broker.description} at {self.broker.bootstrap_servers} "
                                f"(started in {self.broker.start_seconds:.1f}s)", highlight=False)
             self.settings = self.settings.with_bootstrap(self.broker.bootstrap_servers)
-            write_broker_file(self.run_dir, self.broker.bootstrap_servers, self.broker.pid, self.broker.kind)
+            write_broker_file(self.run_dir, self.broker)
         if not self.resume:
-            launch.write_text(json.dumps({"embedded_broker": self.broker.kind if self.broker is not None else None}))
+            launch.write_text(json.dumps({"embedded_broker": self.broker.kind if self.broker is not None else None,
+                                          "brokers": self.settings.broker.brokers}))
         admin = make_admin(self.settings.kafka, client_id="crl-run")
         try:
-            create_topics(admin)  # waits for every partition's leader (a restarted broker answers before)
+            # Waits for every partition's leader (a restarted broker answers before).
+            create_topics(admin, replicas=self.settings.kafka.replication_factor,
+                          min_insync=self.settings.kafka.min_insync_replicas)
         finally:
             admin.close()
         if self.resume and self.broker is not None and self.broker.kind == "tansu":
@@ -278,9 +302,8 @@ class RunSupervisor:
                 time.sleep(interval)
                 if self.follower is not None and self.follower.failure is not None:
                     raise RunFailedError(f"reading the log failed: {self.follower.failure}")
-                if self.broker is not None and not self.broker.is_running():
-                    self.broker_lost = True
-                    raise RunFailedError(f"the broker exited; see {self.run_dir / 'logs' / 'broker.log'}")
+                if self.broker is not None:
+                    self._watch_broker()
                 if self.interrupts == 1 and not self.stop_sent:
                     self._request_stop("interrupted (Ctrl-C)")
                 if self.interrupts >= 2:

@@ -205,6 +205,8 @@ def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
     assert not typo.exists()  # a read-only command creates nothing
     level = crl("--log-level", "loud", "doctor")
     assert level.returncode == 2 and "'loud' is not one of" in level.stderr
+    cluster = crl("stack", "up", "--brokers", "3", "--broker", "tansu", "--run-dir", str(tmp_path))
+    assert cluster.returncode == 2 and "3 brokers need the Apache Kafka broker (--broker kafka)" in cluster.stderr
 
 
 def test_every_command_has_help_text():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from infra.broker import write_broker_file
+from infra.apache_kafka import replication_policy, server_properties
+from infra.broker import BrokerSettings, write_broker_file
 from infra.kafka import KafkaSettings
+from infra.tansu import TansuBroker
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import resolve_kafka
 from pipeline.settings import Settings
@@ -66,8 +69,8 @@ def test_bootstrap_comes_from_the_run_dir_broker_file_when_not_configured(monkey
     settings = Settings(run_dir=tmp_path)
     with pytest.raises(ConfigError, match="no broker"):
         resolve_kafka(settings)
-    path = write_broker_file(tmp_path, "127.0.0.1:4242", pid=7, kind="tansu")
-    assert json.loads(path.read_text()) == {"bootstrap_servers": "127.0.0.1:4242", "pid": 7, "kind": "tansu"}
+    path = write_broker_file(tmp_path, TansuBroker(log_path=None, port=4242, tansu_bin=Path("/bin/true")))
+    assert json.loads(path.read_text()) == {"bootstrap_servers": "127.0.0.1:4242", "pid": None, "kind": "tansu"}
     assert resolve_kafka(settings).bootstrap_servers == "127.0.0.1:4242"
 
 
@@ -76,3 +79,22 @@ def test_group_defaults_fit_a_stock_apache_kafka_and_heartbeats_must_fit_the_ses
     assert 6000 <= settings.session_timeout_ms <= 1_800_000  # Apache Kafka's default group.min/max.session.timeout.ms
     with pytest.raises(ValidationError, match=r"heartbeat_interval_ms .* must be below session_timeout_ms"):
         KafkaSettings(session_timeout_ms=6000, heartbeat_interval_ms=6000)
+
+
+def test_a_cluster_is_apache_kafka_and_its_nodes_replicate_three_ways_with_two_in_sync():
+    with pytest.raises(ValidationError, match="need the Apache Kafka broker"):
+        BrokerSettings(brokers=3)
+    assert BrokerSettings(kind="kafka", brokers=3).brokers == 3
+    single = server_properties(9092, 9093, Path("/log"))
+    assert single["controller.quorum.voters"] == "1@127.0.0.1:9093"
+    assert single["offsets.topic.replication.factor"] == "1" and "min.insync.replicas" not in single
+    node = server_properties(9094, 9095, Path("/log"), node_id=2, voters={1: 9093, 2: 9095, 3: 9097})
+    assert node["node.id"] == "2"
+    assert node["controller.quorum.voters"] == "1@127.0.0.1:9093,2@127.0.0.1:9095,3@127.0.0.1:9097"
+    assert node["listeners"] == "PLAINTEXT://127.0.0.1:9094,CONTROLLER://127.0.0.1:9095"
+    assert {key: node[key] for key in replication_policy(3)} == {
+        "offsets.topic.replication.factor": "3", "transaction.state.log.replication.factor": "3",
+        "transaction.state.log.min.isr": "2", "share.coordinator.state.topic.replication.factor": "3",
+        "share.coordinator.state.topic.min.isr": "2", "default.replication.factor": "3", "min.insync.replicas": "2"}
+    assert replication_policy(2)["min.insync.replicas"] == "1"
+    assert replication_policy(5)["default.replication.factor"] == "3"
