@@ -32,7 +32,7 @@ from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings
 from pipeline.runtime.settings import RunnerSettings
-from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
 
 
 class ArchiverSettings(BaseModel):
@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     max_payload_bytes: int = Field(
         default=DEFAULT_MAX_PAYLOAD_BYTES, gt=0, description="Records larger than this are dead-lettered (1 MiB)."
     )
+    claim_check_bytes: int = Field(
+        default=DEFAULT_CLAIM_CHECK_BYTES, gt=0,
+        description="An event that would encode larger than this keeps its token ids and log-probs in the run's blob "
+        "store and carries a {sha256, size} claim check instead (256 KiB; below max_payload_bytes).")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     db: DbSettings = Field(default_factory=DbSettings)
     runner: RunnerSettings = Field(default_factory=RunnerSettings)
@@ -110,6 +114,13 @@ class Settings(BaseSettings):
         if config_file:
             sources.append(RunConfigSource(settings_cls, Path(config_file)))
         return (*sources, dotenv_settings, file_secret_settings)
+
+    @model_validator(mode="after")
+    def _claim_checks_below_the_cap(self) -> Settings:
+        if self.claim_check_bytes >= self.max_payload_bytes:
+            raise ValueError(f"claim_check_bytes ({self.claim_check_bytes}) must be below max_payload_bytes "
+                             f"({self.max_payload_bytes}): an event between the two would be dead-lettered")
+        return self
 
     @model_validator(mode="after")
     def _known_envs(self) -> Settings:

@@ -14,9 +14,22 @@ How strict the wire is (one rule, whatever the path or the topic):
   held to the same rule.
 What is accepted is therefore exactly what `encode` would write for the decoded event, up to JSON spelling (key order,
 white space, number formatting): the archive never holds a normalised copy of something the producer did not say.
+
+Claim checks keep large events under the payload cap. Given `ClaimChecks`, `encode` moves the bulky arrays (the
+`BULKY_FIELDS`: token ids and log-probs) of an event that would encode to more than the threshold into the run's blob
+store, leaves `""` (an empty array) in their place and adds `"claim_check": {"sha256", "size"}` naming the blob: a
+JSON object from each array's path (`turns/3/prompt_token_ids`) to its wire string. `decode`, given the store, puts
+them back before validating, so readers get the event that was encoded. The blob's bytes are a function of the event,
+so encoding the same event twice gives the same record. A reader without a store, or a blob that is missing, altered
+or does not fit its record, raises `ClaimCheckError` naming the event and the blob.
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import pydantic_core
 from pydantic import ValidationError
@@ -26,6 +39,8 @@ from schemas.topics import EVENT_TYPES, TOPIC_OF_KIND, Topic, topic_of
 from schemas.upcasters import UpcastError, upcast
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+DEFAULT_CLAIM_CHECK_BYTES = 256 * 1024
+"""Events that would encode larger than this keep their bulky arrays in the blob store (a setting)."""
 
 
 class EventDecodeError(ValueError):
@@ -52,6 +67,37 @@ class InvalidEventError(EventDecodeError):
     """The payload fails validation (missing fields, NaN rewards, empty ids, ...)."""
 
 
+class ClaimCheckError(EventDecodeError):
+    """A record's claim check cannot be redeemed: no blob store, or its blob is missing, altered or does not fit."""
+
+
+BULKY_FIELDS = frozenset({"prompt_token_ids", "response_token_ids", "sampling_logprobs"})
+"""The array fields a claim check moves out of an event (every `TokenIds` and `LogProbs` field of the schemas)."""
+
+CLAIM_CHECK = "claim_check"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class BlobStorage(Protocol):
+    """Where claim-checked arrays live: content-addressed bytes (`pipeline.runtime.blobs.BlobStore`)."""
+
+    def put(self, data: bytes) -> tuple[str, str]:
+        """Store `data`; returns (URI, sha256)."""
+        ...
+
+    def read(self, sha256: str) -> bytes | None:
+        """The bytes stored under `sha256` as they are on disk (unverified), or None when there are none."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClaimChecks:
+    """Encode events over `threshold_bytes` with their bulky arrays in `store`."""
+
+    store: BlobStorage
+    threshold_bytes: int
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One line per failing field: `turns.0.sampling_logprobs: NaN or infinite values are not allowed`."""
     lines = []
@@ -61,18 +107,86 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def encode(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:
-    """The event as compact JSON bytes; raises `PayloadTooLargeError` past `max_bytes`."""
+def encode(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, claims: ClaimChecks | None = None) -> bytes:
+    """The event as compact JSON bytes, its bulky arrays claim-checked past `claims.threshold_bytes`; raises
+    `PayloadTooLargeError` past `max_bytes`."""
     data = event.model_dump_json().encode("utf-8")
+    inline = len(data)
+    if claims is not None and inline > claims.threshold_bytes:
+        data = _check_in(data, claims.store)
     if len(data) > max_bytes:
+        moved = f" ({inline} bytes before its arrays went to the blob store)" if len(data) != inline else ""
         raise PayloadTooLargeError(
-            f"{event.kind} {event.event_id} encodes to {len(data)} bytes, over the {max_bytes}-byte payload cap"
+            f"{event.kind} {event.event_id} encodes to {len(data)} bytes{moved}, over the {max_bytes}-byte payload cap"
         )
     return data
 
 
-def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Event:
-    """Parse, upcast and validate one record value read from `topic`."""
+def _check_in(data: bytes, store: BlobStorage) -> bytes:
+    """`data` with its bulky arrays moved to `store` and a claim check in their place (unchanged if it has none)."""
+    payload = pydantic_core.from_json(data)
+    arrays: dict[str, str] = {}
+    _take_arrays(payload, "", arrays)
+    if not arrays:
+        return data
+    blob = pydantic_core.to_json(arrays)
+    _, sha256 = store.put(blob)
+    payload[CLAIM_CHECK] = {"sha256": sha256, "size": len(blob)}
+    return pydantic_core.to_json(payload)
+
+
+def _take_arrays(node: Any, path: str, arrays: dict[str, str]) -> None:
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        where = f"{path}/{key}" if path else str(key)
+        if isinstance(value, str) and key in BULKY_FIELDS and value:
+            arrays[where] = value
+            node[key] = ""
+        elif isinstance(value, dict | list):
+            _take_arrays(value, where, arrays)
+
+
+def _redeem(payload: dict[str, Any], blobs: BlobStorage | None) -> None:
+    """Put a claim-checked payload's arrays back from `blobs` (in place); raises `ClaimCheckError`."""
+    ticket = payload.pop(CLAIM_CHECK)
+    what = f"{payload.get('kind', 'event')} {payload.get('event_id', '?')}"
+    if not (isinstance(ticket, dict) and set(ticket) == {"sha256", "size"} and isinstance(ticket["sha256"], str)
+            and _SHA256.fullmatch(ticket["sha256"]) and type(ticket["size"]) is int):
+        raise ClaimCheckError(f"{what}: malformed claim check {ticket!r:.200} (expected {{sha256, size}})")
+    sha256, size = ticket["sha256"], ticket["size"]
+    if blobs is None:
+        raise ClaimCheckError(f"{what} keeps its arrays in blob {sha256} ({size} bytes), and this reader has no blob "
+                              "store (the run directory's blobs/)")
+    blob = blobs.read(sha256)
+    if blob is None:
+        raise ClaimCheckError(f"{what}: its arrays' blob {sha256} ({size} bytes) is missing from the blob store")
+    if len(blob) != size or hashlib.sha256(blob).hexdigest() != sha256:
+        raise ClaimCheckError(f"{what}: blob {sha256} holds {len(blob)} bytes with sha256 "
+                              f"{hashlib.sha256(blob).hexdigest()}; the claim check says {size} bytes, {sha256}")
+    try:
+        arrays = pydantic_core.from_json(blob)
+    except ValueError as exc:
+        raise ClaimCheckError(f"{what}: blob {sha256} is not a JSON object of arrays: {exc}") from exc
+    if not isinstance(arrays, dict):
+        raise ClaimCheckError(f"{what}: blob {sha256} is not a JSON object of arrays")
+    for path, value in arrays.items():
+        *parents, field = path.split("/")
+        node: Any = payload
+        try:
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            node = None
+        if field not in BULKY_FIELDS or not isinstance(node, dict) or node.get(field) != "" \
+                or not isinstance(value, str):
+            raise ClaimCheckError(f"{what}: blob {sha256} names {path}, which is not an emptied array of the event")
+        node[field] = value
+
+
+def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+           blobs: BlobStorage | None = None) -> Event:
+    """Parse, upcast and validate one record value read from `topic`; a claim-checked record's arrays come back from
+    `blobs`."""
     if data is None:
         raise MalformedPayloadError("record has no value (tombstone)")
     if len(data) > max_bytes:
@@ -95,6 +209,8 @@ def decode(topic: Topic, data: bytes | None, max_bytes: int = DEFAULT_MAX_PAYLOA
         raise MalformedPayloadError(f"not a JSON document: {exc}") from exc
     if not isinstance(payload, dict):
         raise MalformedPayloadError(f"expected a JSON object, got {type(payload).__name__}")
+    if CLAIM_CHECK in payload:
+        _redeem(payload, blobs)
     kind = payload.get("kind")
     if not isinstance(kind, str):
         raise WrongTopicError(f"'kind' must be a string naming the event, got {kind!r:.80}")
@@ -125,7 +241,8 @@ def _carries_envelope(event: Event) -> bool:
     return event.model_fields_set >= _ENVELOPE_FIELDS
 
 
-def encode_for_topic(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[Topic, bytes, bytes]:
+def encode_for_topic(event: Event, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                     claims: ClaimChecks | None = None) -> tuple[Topic, bytes, bytes]:
     """(topic, key, value) for publishing `event`."""
     topic = topic_of(event)
-    return topic, topic.key_bytes(event), encode(event, max_bytes)
+    return topic, topic.key_bytes(event), encode(event, max_bytes, claims)

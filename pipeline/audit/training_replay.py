@@ -24,7 +24,7 @@ from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings,
 from pipeline.rl.training import TrainerStep, actor_batch, extractor_samples
 from pipeline.rl.update import Sample
 from schemas.base import Event, Role
-from schemas.codec import decode
+from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES, decode
 from schemas.extractions import ExtractionGenerated
 from schemas.topics import EXTRACTIONS, POLICY, TRAIN_STEPS, TRAJECTORIES, Topic
 from schemas.training import PolicyPublished, TrainStepCompleted
@@ -60,7 +60,9 @@ def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
     _, rows = audit.query("SELECT payload::VARCHAR FROM events WHERE kind = ? ORDER BY topic, partition, \"offset\"",
                           (kind,))
     for (payload,) in rows:
-        yield decode(topic, payload.encode())
+        # The archive keeps each event whole, claim-checked arrays included: no payload cap applies to it.
+        data = payload.encode()
+        yield decode(topic, data, max_bytes=max(len(data), DEFAULT_MAX_PAYLOAD_BYTES))
 
 
 def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None) -> TrainingReplay:

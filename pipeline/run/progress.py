@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.actor.schedule import finished_id
 from pipeline.bank.state import Applied, BankState, Rejected
+from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.log import FollowedView, KafkaLog
 from pipeline.runtime.transport import Record
 from pipeline.settings import Settings
@@ -109,11 +110,12 @@ class LogFollower(FollowedView):
         self.progress = progress
         self.lock = threading.Lock()
         self._topics = {topic.name: topic for topic in TOPICS}
+        self._blobs = BlobStore(settings.run_dir / "blobs")
         self.follower = KafkaLog(settings.kafka, client_id="crl-run").follow(TOPICS, self._on_record, name="run")
 
     def _on_record(self, record: Record) -> None:
         try:
-            event = decode(self._topics[record.topic], record.value)
+            event = decode(self._topics[record.topic], record.value, blobs=self._blobs)
         except EventDecodeError:
             return  # a dead letter's business, not the live view's
         with self.lock:

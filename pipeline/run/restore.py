@@ -49,7 +49,7 @@ from pipeline.runtime.group_commits import restorable_group_positions
 from pipeline.runtime.harness import RawRecord
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore, TopicPartition
 from pipeline.runtime.runner import event_headers
-from schemas.codec import decode
+from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, ClaimChecks, decode, encode
 from schemas.dead_letters import DeadLetter, dead_letter_id
 from schemas.topics import DEAD_LETTERS, EXPERIENCE_OPS_TOPIC, TOPICS, Topic
 
@@ -75,14 +75,18 @@ class RestoredLog:
     snapshots_dropped: int = 0
 
 
-def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over: bool = True) -> RestoredLog:
+def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over: bool = True,
+                claim_check_bytes: int = DEFAULT_CLAIM_CHECK_BYTES) -> RestoredLog:
     """Write the archived log of `run_dir` into the (fresh, empty) topics of the broker of `kafka`. Raises
     `RunFailedError` when the archive cannot give back the log as it was.
 
     `carry_over`: the run goes on in the restored log, so check and adjust what the workers keep (a worker past the
     archive fails the restore, a bank past it is emptied, snapshots past it removed) and work out the groups'
     positions. Without it nothing of the run is read or changed but the archive and the archiver's positions (a
-    read-only look at the log, such as replaying the bank from Kafka after the run)."""
+    read-only look at the log, such as replaying the bank from Kafka after the run).
+
+    The archive holds every event whole; one over `claim_check_bytes` (the run's setting) is claim-checked again on
+    its way back, which gives the record it was (the blob's bytes are a function of the event)."""
     positions = SqlOffsetStore(engine, ARCHIVER).load()
     # No position at all: the broker died before the archiver had read anything, so the restored log is empty (and
     # a worker that had read something is named below).
@@ -102,6 +106,7 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
     restored.aliases = {new_ids[topic]: log_id for topic, log_id in archived_ids.items()}
     gaps = _dead_lettered_records(run_dir, archived_ids)
     producer = make_producer(kafka, client_id="crl-restore")
+    claims = ClaimChecks(BlobStore(run_dir / "blobs"), claim_check_bytes)
     try:
         for topic in TOPICS:
             for partition in range(topic.partitions):
@@ -109,7 +114,8 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
                 if end is None or end.next_offset == 0:
                     continue
                 futures = []
-                for offset, record, dead_lettered in _partition_records(run_dir, topic, partition, end, gaps):
+                for offset, record, dead_lettered in _partition_records(run_dir, topic, partition, end, gaps,
+                                                                        claims):
                     futures.append((offset, producer.send(topic.name, value=record.value, key=record.key,
                                                           headers=list(record.headers), partition=partition,
                                                           timestamp_ms=record.timestamp_ms)))
@@ -198,7 +204,8 @@ def _drop_snapshots_past(run_dir: Path, ops_end: LogPosition | None) -> list[Pat
 
 
 def _partition_records(run_dir: Path, topic: Topic, partition: int, end: LogPosition,
-                       gaps: Mapping[tuple[str, int, int], RawRecord]) -> Iterator[tuple[int, RawRecord, bool]]:
+                       gaps: Mapping[tuple[str, int, int], RawRecord],
+                       claims: ClaimChecks) -> Iterator[tuple[int, RawRecord, bool]]:
     """(offset, record, from a dead letter) for every offset of the partition below `end`, in order."""
     directory = archive_root(run_dir) / topic.name
     rows: list[tuple[int, str, str | None, int | None]] = []
@@ -215,7 +222,9 @@ def _partition_records(run_dir: Path, topic: Topic, partition: int, end: LogPosi
         if offset in archived:
             payload, key, timestamp_ms = archived[offset]
             value = payload.encode("utf-8")
-            event = decode(topic, value)
+            event = decode(topic, value, max_bytes=max(len(value), DEFAULT_MAX_PAYLOAD_BYTES))
+            if len(value) > claims.threshold_bytes:
+                value = encode(event, max_bytes=len(value), claims=claims)
             yield offset, RawRecord(topic.name, value, key.encode("utf-8") if key is not None else None, partition,
                                     timestamp_ms, tuple(event_headers(event))), False
         elif (topic.name, partition, offset) in gaps:

@@ -196,7 +196,8 @@ class RunSupervisor:
             migrate(engine)
             with self.console.status("restoring the log from the archive"):
                 started = time.monotonic()
-                restored = restore_log(self.run_dir, self.settings.kafka, engine)
+                restored = restore_log(self.run_dir, self.settings.kafka, engine,
+                                       claim_check_bytes=self.settings.claim_check_bytes)
             self.settings = self.settings.model_copy(update={
                 "kafka": self.settings.kafka.model_copy(update={"log_aliases": restored.aliases})})
             commit_group_positions(self.settings.kafka, restored.group_positions)

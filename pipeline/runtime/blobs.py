@@ -1,7 +1,10 @@
-"""A content-addressed blob store under the run directory (claim checks for payloads too large for an event).
+"""A content-addressed blob store under the run directory: claim checks for what is too large for an event (the bulky
+arrays of a large trajectory, the raw bytes of a large dead-lettered record).
 
 `put(data)` writes `RUN_DIR/blobs/<sha256[:2]>/<sha256>` atomically (write, fsync, rename) and returns a `file://`
-URI; writing the same bytes twice is a no-op. `get(uri)` reads them back and verifies the hash.
+URI; writing the same bytes twice is a no-op. `get(uri)` reads them back and verifies the hash; `read(sha256)` reads
+them by hash, unverified (the codec checks them against the claim check, to say which event they belong to).
+Workers on several hosts share the store through the run directory (a volume in docker-compose.yml).
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ class BlobStore:
             os.replace(temporary, path)
             fsync_directory(path.parent)
         return path.resolve().as_uri(), digest
+
+    def read(self, sha256: str) -> bytes | None:
+        """The bytes stored under `sha256`, as they are on disk, or None when there are none."""
+        try:
+            return (self.root / sha256[:2] / sha256).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def get(self, uri: str) -> bytes:
         if not uri.startswith("file://"):

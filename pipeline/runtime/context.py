@@ -45,6 +45,9 @@ class RuntimeSettings(Protocol):
     def max_payload_bytes(self) -> int: ...
 
     @property
+    def claim_check_bytes(self) -> int: ...
+
+    @property
     def resolved_run_id(self) -> str: ...
 
 

@@ -176,6 +176,7 @@ def run_worker(
     output: MemoryOutput | None = None,
     blobs: BlobStore | None = None,
     max_polls: int = 10_000,
+    claim_check_bytes: int | None = None,
 ) -> HarnessResult:
     """Run `worker` until every input is handled and it is not `busy` (or it is `done`, or after `max_polls`), then
     decode what it published."""
@@ -183,7 +184,8 @@ def run_worker(
         with tempfile.TemporaryDirectory(prefix="crl-harness-blobs-") as directory:
             return run_worker(worker, inputs, context=context, settings=settings, max_payload_bytes=max_payload_bytes,
                               batch_size=batch_size, run_id=run_id, output=output,
-                              blobs=BlobStore(Path(directory)), max_polls=max_polls)
+                              blobs=BlobStore(Path(directory)), max_polls=max_polls,
+                              claim_check_bytes=claim_check_bytes)
     journal = output.journal if output is not None else Journal()
     records = to_records(inputs)
     input_log = MemoryInput(records, journal, batch_size)
@@ -198,6 +200,7 @@ def run_worker(
         settings=settings or RunnerSettings(retry_backoff_s=0.001, retry_backoff_max_s=0.01, poll_timeout_ms=1),
         max_payload_bytes=max_payload_bytes,
         blobs=blobs,
+        claim_check_bytes=claim_check_bytes,
         limits=Limits(max_polls=max_polls),
         context=context,
         until_idle=True,
@@ -206,7 +209,7 @@ def run_worker(
     outputs: list[Event] = []
     dead_letters: list[DeadLetter] = []
     for topic, _key, value, _headers in output_log.delivered:
-        event = decode(topic_named(topic), value, max_bytes=1 << 30)
+        event = decode(topic_named(topic), value, max_bytes=1 << 30, blobs=blobs)
         if topic == DEAD_LETTERS.name:
             assert isinstance(event, DeadLetter)  # the dead-letter topic's registry holds only `DeadLetter`
             dead_letters.append(event)

@@ -77,6 +77,7 @@ def build_runner(
         settings=settings.runner,
         max_payload_bytes=settings.max_payload_bytes,
         blobs=context.blobs,
+        claim_check_bytes=settings.claim_check_bytes,
         metrics_path=settings.run_dir / "metrics" / f"{instance}.jsonl",
         limits=limits,
         context=context,

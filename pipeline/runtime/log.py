@@ -30,7 +30,7 @@ from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.errors import InvalidStateError, RetryableError
 from pipeline.runtime.transport import Record
 from schemas.base import Event
-from schemas.codec import EventDecodeError, decode
+from schemas.codec import BlobStorage, EventDecodeError, decode
 from schemas.topics import Topic
 
 log = logging.getLogger(__name__)
@@ -353,18 +353,18 @@ class MemoryLog:
         return [r for r in self.records if r.topic == topic.name]
 
 
-def events_to_end(log_: Log, topic: Topic) -> list[Event]:
-    """Every event on `topic` up to its end now, decoded; records that do not decode are skipped (the workers that
-    consume the topic dead-letter them)."""
+def events_to_end(log_: Log, topic: Topic, blobs: BlobStorage | None = None) -> list[Event]:
+    """Every event on `topic` up to its end now, decoded (claim checks redeemed from `blobs`); records that do not
+    decode are skipped (the workers that consume the topic dead-letter them)."""
     events = []
     for record in log_.read_to_end(topic):
         try:
-            events.append(decode(topic, record.value))
+            events.append(decode(topic, record.value, blobs=blobs))
         except EventDecodeError as exc:
             log.debug("skipping undecodable %s[%d]@%d: %s", record.topic, record.partition, record.offset, exc)
     return events
 
 
-def read_to_end(kafka: KafkaSettings, topic: Topic) -> list[Event]:
+def read_to_end(kafka: KafkaSettings, topic: Topic, blobs: BlobStorage | None = None) -> list[Event]:
     """Every event on `topic` of the Kafka of `kafka`, up to its end now (undecodable records skipped)."""
-    return events_to_end(KafkaLog(kafka), topic)
+    return events_to_end(KafkaLog(kafka), topic, blobs)

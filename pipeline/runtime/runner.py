@@ -49,7 +49,7 @@ from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.settings import RunnerSettings
 from pipeline.runtime.transport import InputLog, OffsetStore, OutputLog, Position, Record
 from schemas.base import Event, Producer
-from schemas.codec import EventDecodeError, decode, encode_for_topic
+from schemas.codec import ClaimChecks, EventDecodeError, decode, encode_for_topic
 from schemas.dead_letters import (
     MAX_INLINE_HEADER_BYTES,
     MAX_INLINE_KEY_BYTES,
@@ -196,6 +196,7 @@ class WorkerRunner:
         settings: RunnerSettings | None = None,
         max_payload_bytes: int,
         blobs: BlobStore | None = None,
+        claim_check_bytes: int | None = None,
         metrics_path: Path | None = None,
         limits: Limits = Limits(),
         sleep: Callable[[float], None] | None = None,
@@ -214,6 +215,8 @@ class WorkerRunner:
         self.settings = settings or RunnerSettings()
         self.max_payload_bytes = max_payload_bytes
         self.blobs = blobs
+        self.claims = ClaimChecks(blobs, claim_check_bytes) if blobs is not None and claim_check_bytes else None
+        """Outputs over `claim_check_bytes` keep their bulky arrays in `blobs` (schemas/codec.py)."""
         self.metrics_path = metrics_path
         self.limits = limits
         self.metrics = WorkerMetrics()
@@ -314,7 +317,7 @@ class WorkerRunner:
     def decode_or_dead_letter(self, record: Record) -> Event | None:
         """The record's event, or None after publishing a dead letter for it."""
         try:
-            return decode(topic_named(record.topic), record.value, self.max_payload_bytes)
+            return decode(topic_named(record.topic), record.value, self.max_payload_bytes, self.blobs)
         except Exception as exc:  # noqa: BLE001 - EventDecodeError, an unknown topic or anything else: a dead letter
             self.publish_dead_letter(record, exc)
             return None
@@ -378,7 +381,7 @@ class WorkerRunner:
     # -- outputs --------------------------------------------------------------------------------------------------
 
     def encode_output(self, event: Event) -> tuple[str, bytes, bytes, list[tuple[str, bytes]]]:
-        topic, key, value = encode_for_topic(event, self.max_payload_bytes)
+        topic, key, value = encode_for_topic(event, self.max_payload_bytes, self.claims)
         return topic.name, key, value, event_headers(event)
 
     def publish(self, event: Event) -> None:
