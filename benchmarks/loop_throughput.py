@@ -4,7 +4,7 @@ and 2, side by side: throughput after the warm starts, what each worker kind wai
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py            # 12 steps per run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --quick    # 6 steps, 50 eval rooms per run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --staleness 0 1 --keep
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --set CRL_LAUNCH__ROLLOUT_WORKERS=2
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --quick --staleness 0 --rollout-workers 1 2
 
 Every run is a real `crl run configs/tiny-minihack-room.yaml --no-report` (embedded Tansu, every worker a process),
 one after another, each in a fresh run directory under a temporary directory (removed at the end unless `--keep`);
@@ -56,6 +56,9 @@ Then the learning figures, one line per setting under each heading so the trade 
   95% bootstrap interval over rooms after `#`);
 - `staleness<k>_actor_train_steps`, `_bank_size`: actor updates and active experiences at the end (the run report's
   summary row).
+With `--rollout-workers 1 2` every staleness runs with one and with two rollout worker processes (one consumer group,
+`launch.rollout_workers`); the figures' prefix gains `_rollout<n>` and `rollout_workers_speedup_staleness<k>_<n>=`
+prints episodes/s with n workers over the first count's, at the same staleness.
 Last, `# runs in DIR` when the runs are kept, and `benchmark_s=` (the whole benchmark's wall time).
 """
 
@@ -90,6 +93,9 @@ class Setting:
     staleness: int
     max_steps_ahead: int
     run_dir: Path
+    rollout_workers: int = 1
+    label: str = ""
+    """The prefix of its figures: `staleness<k>`, with `_rollout<n>` when several worker counts run."""
     run_s: float = 0.0
     code: str = ""
     """`code_state()` when the run started."""
@@ -117,6 +123,7 @@ def run(setting: Setting, args: argparse.Namespace) -> None:
         "CRL_ENVS__SEED": str(args.seed), "CRL_ROLLOUT__GENERATION__SEED": str(args.seed),
         "CRL_EXTRACTOR__GENERATION__SEED": str(args.seed),
         "CRL_RUNNER__METRICS_INTERVAL_S": "1",
+        "CRL_LAUNCH__ROLLOUT_WORKERS": str(setting.rollout_workers),
     })
     if args.eval_tasks is not None:
         env["CRL_ENVS__EVAL_TASKS_PER_ENV"] = str(args.eval_tasks)
@@ -128,9 +135,9 @@ def run(setting: Setting, args: argparse.Namespace) -> None:
                             env=env, cwd=ROOT, capture_output=True, text=True)
     setting.run_s = time.monotonic() - started
     if result.returncode != 0:
-        raise SystemExit(f"staleness {setting.staleness} failed ({result.returncode}) in {setting.run_dir}:\n"
+        raise SystemExit(f"{setting.label} failed ({result.returncode}) in {setting.run_dir}:\n"
                          f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    print(f"# staleness {setting.staleness}: crl run took {setting.run_s:.0f}s ({setting.run_dir})", flush=True)
+    print(f"# {setting.label}: crl run took {setting.run_s:.0f}s ({setting.run_dir})", flush=True)
 
 
 def _epoch(value: datetime) -> float:
@@ -257,6 +264,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="6 steps and 50 eval rooms per run (three runs in about 10 minutes on 2 cores); no goal")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="Settings to run (0 first).")
+    parser.add_argument("--rollout-workers", type=int, nargs="+", default=[1],
+                        help="Rollout worker processes of each run (launch.rollout_workers); with several, every "
+                        "staleness runs with each (e.g. --staleness 0 --rollout-workers 1 2).")
     parser.add_argument("--steps", type=int, default=None, help="Steps per run (default: the config's 12; quick 6).")
     parser.add_argument("--max-steps-ahead", type=int, default=None,
                         help="scheduler.max_steps_ahead of every run (default: max(1, staleness)).")
@@ -285,8 +295,12 @@ def main() -> None:
         args.eval_tasks = 50
 
     out = args.out or Path(tempfile.mkdtemp(prefix="loop-throughput-"))
-    settings = [Setting(k, args.max_steps_ahead if args.max_steps_ahead is not None else max(1, k),
-                        out / f"staleness{k}") for k in args.staleness]
+    several = len(args.rollout_workers) > 1 or args.rollout_workers != [1]
+    settings = []
+    for k, workers in itertools.product(args.staleness, args.rollout_workers):
+        label = f"staleness{k}" + (f"_rollout{workers}" if several else "")
+        settings.append(Setting(k, args.max_steps_ahead if args.max_steps_ahead is not None else max(1, k),
+                                out / label, workers, label))
     for setting in settings:
         if setting.run_dir.exists() and not (setting.run_dir / "archive").is_dir():
             parser.error(f"{setting.run_dir} exists without an archive: a run needs a fresh directory")
@@ -298,7 +312,7 @@ def main() -> None:
         for setting in settings:
             if setting.run_dir.exists():
                 setting.code = "earlier-run"
-                print(f"# staleness {setting.staleness}: read from the earlier run in {setting.run_dir}", flush=True)
+                print(f"# {setting.label}: read from the earlier run in {setting.run_dir}", flush=True)
             else:
                 run(setting, args)
                 setting.figures["run_s"] = setting.run_s
@@ -307,15 +321,15 @@ def main() -> None:
         print(f"code={' '.join(codes)}" + ("  # the code changed between the runs: their figures do not compare"
                                           if len(codes) > 1 else ""))
         for setting in settings:
-            prefix = f"staleness{setting.staleness}_"
+            prefix = f"{setting.label}_"
             for name in [n for n in THROUGHPUT if n in setting.figures]:
                 show(prefix + name, setting.figures[name], setting.notes.get(name))
             for name in [n for n in setting.figures if n.startswith("wait_share_")] + ["policy_lag"]:
                 show(prefix + name, setting.figures[name], setting.notes.get(name))
-        base = next((s for s in settings if s.staleness == 0), None)
-        if base is not None:
+        base = next((s for s in settings if s.staleness == 0 and s.rollout_workers == args.rollout_workers[0]), None)
+        if base is not None and len(args.staleness) > 1:
             for setting in settings:
-                if setting is base:
+                if setting.rollout_workers != base.rollout_workers or setting is base:
                     continue
                 speedup = setting.figures["episodes_per_s"] / base.figures["episodes_per_s"]
                 show(f"async_speedup_staleness{setting.staleness}", speedup)
@@ -323,10 +337,16 @@ def main() -> None:
                     print(f"async_speedup_staleness1_goal={'met' if speedup >= GOAL else 'missed'} (>= {GOAL})")
                 show(f"async_env_steps_speedup_staleness{setting.staleness}",
                      setting.figures["env_steps_per_s"] / base.figures["env_steps_per_s"])
+        for first in [s for s in settings if s.rollout_workers == args.rollout_workers[0]]:
+            for setting in settings:
+                if setting.staleness == first.staleness and setting is not first:
+                    show(f"rollout_workers_speedup_staleness{setting.staleness}_{setting.rollout_workers}",
+                         setting.figures["episodes_per_s"] / first.figures["episodes_per_s"],
+                         f"episodes/s with {setting.rollout_workers} rollout workers over {first.rollout_workers}")
         for name in LEARNING:
             for setting in settings:
                 if name in setting.figures:
-                    show(f"staleness{setting.staleness}_{name}", setting.figures[name], setting.notes.get(name))
+                    show(f"{setting.label}_{name}", setting.figures[name], setting.notes.get(name))
     finally:
         if args.out is None and not args.keep:
             shutil.rmtree(out, ignore_errors=True)

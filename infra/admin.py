@@ -157,6 +157,20 @@ def _wait_for_metadata(admin: KafkaAdminClient, names: list[str], timeout_s: flo
     raise TopicMismatchError(f"topics {names} did not appear in metadata within {timeout_s:.0f}s")
 
 
+def unowned_partitions(admin: KafkaAdminClient, group_id: str, topics: Iterable[str]) -> set[tuple[str, int]]:
+    """The partitions of `topics` that no member of consumer group `group_id` holds, as its coordinator says; empty
+    while the group is not stable (a rebalance under way assigns them)."""
+    group = admin.describe_groups([group_id])[group_id]
+    if group["group_state"] != "Stable":
+        return set()
+    held = {(assigned["topic"], partition) for member in group["members"]
+            for assigned in (member.get("member_assignment") or {}).get("assigned_partitions", [])
+            for partition in assigned["partitions"]}
+    counts = existing_partition_counts(admin)
+    every = {(topic, partition) for topic in topics for partition in range(counts.get(topic, 0))}
+    return every - held
+
+
 def describe_topics(admin: KafkaAdminClient, consumer: KafkaConsumer | None = None) -> list[TopicStatus]:
     """The registry topics as the broker has them; with `consumer`, also the number of records in each."""
     existing = existing_partition_counts(admin)

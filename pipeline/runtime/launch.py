@@ -12,13 +12,14 @@ import os
 import socket
 from importlib.metadata import entry_points
 
-from infra.kafka import make_consumer, make_producer
+from infra.admin import unowned_partitions
+from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
 from pipeline.errors import ConfigError
 from pipeline.runtime.context import RuntimeSettings, WorkerContext, resolve_kafka
 from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.log import KafkaLog
 from pipeline.runtime.runner import Limits, Worker, WorkerRunner
-from pipeline.runtime.transport import InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
+from pipeline.runtime.transport import GroupWatch, InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
 from schemas.base import Producer
 
 WorkerClass = type[Worker]
@@ -47,6 +48,19 @@ def default_instance(worker: str) -> str:
     return f"{worker}-{socket.gethostname()}-{os.getpid()}"
 
 
+def group_watch(kafka: KafkaSettings, group_id: str, instance: str, topics: list[str],
+                stuck_after_s: float = 30.0) -> GroupWatch:
+    """What a group member uses to find out it is stuck with no partitions, and to join again (`GroupWatch`)."""
+    def unowned() -> set[tuple[str, int]]:
+        admin = make_admin(kafka, client_id=f"{instance}-watch")
+        try:
+            return unowned_partitions(admin, group_id, topics)
+        finally:
+            admin.close()
+
+    return GroupWatch(lambda: make_consumer(kafka, group_id=group_id, client_id=instance), unowned, stuck_after_s)
+
+
 def build_runner(
     worker_class: WorkerClass, settings: RuntimeSettings, *, instance: str | None = None, limits: Limits = Limits()
 ) -> WorkerRunner:
@@ -64,7 +78,8 @@ def build_runner(
         if worker_class.consumption == "group":
             group_id = f"crl-{worker_class.name}"
             input_log = KafkaGroupInput(make_consumer(kafka, group_id=group_id, client_id=instance), names, log_ids,
-                                        GroupCommitLog(context.engine, group_id, instance, output_log.produced_ends))
+                                        GroupCommitLog(context.engine, group_id, instance, output_log.produced_ends),
+                                        group_watch(kafka, group_id, instance, names))
         else:
             input_log = KafkaAssignedInput(make_consumer(kafka, client_id=instance, auto_offset_reset="none"),
                                            names, worker.offset_store(context), log_ids)

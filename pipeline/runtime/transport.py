@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -138,6 +138,22 @@ def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Pos
     return lag
 
 
+@dataclass(frozen=True)
+class GroupWatch:
+    """How a group member finds out it was left with nothing while its group's partitions wait, and starts afresh.
+
+    kafka-python has been seen to keep a member in a stable generation with no partitions after a broker restart
+    (one that joined before it knew the topics' partitions): nothing makes it rejoin, and the partitions it should
+    hold belong to nobody, so their records wait for ever. A member that has held no partition for `stuck_after_s`
+    asks the group coordinator (`unowned`) which partitions of its topics no member holds; if any, it closes its
+    consumer and joins again with a new one (`new_consumer`). A member with nothing because the others hold every
+    partition (more members than partitions) is left alone."""
+
+    new_consumer: Callable[[], KafkaConsumer]
+    unowned: Callable[[], set[Position]]
+    stuck_after_s: float = 30.0
+
+
 class KafkaGroupInput:
     """Consumer-group input; commits go to Kafka.
 
@@ -145,16 +161,26 @@ class KafkaGroupInput:
     listener only keeps the set of partitions this member owns; the runner asks `owns()` before it handles or
     commits a partition. Records of a revoked partition that were already fetched are skipped, and its uncommitted
     progress is re-read by the new owner from the last commit (at-least-once; commits follow every poll batch).
+    With a `GroupWatch`, a member stuck with no partitions while some belong to nobody recreates its consumer.
     """
 
     def __init__(self, consumer: KafkaConsumer, topics: Iterable[str], log_ids: Mapping[str, str],
-                 commit_log: GroupCommitLog | None = None) -> None:
+                 commit_log: GroupCommitLog | None = None, watch: GroupWatch | None = None) -> None:
         self.consumer = consumer
+        self.topics = list(topics)
         self.log_ids = dict(log_ids)
         self.commit_log = commit_log
         """Where each commit is also recorded (the run's database), so a restored log can carry the group on."""
+        self.watch = watch
+        self.recreated = 0
+        """How many times the consumer was recreated because it was stuck with no partitions."""
         self._owned: set[Position] = set()
         self._owned_lock = threading.Lock()
+        self._empty_since: float | None = None
+        self._last_check = 0.0
+        self._subscribe(consumer)
+
+    def _subscribe(self, consumer: KafkaConsumer) -> None:
         outer = self
 
         class _Listener(ConsumerRebalanceListener):
@@ -168,19 +194,53 @@ class KafkaGroupInput:
                     outer._owned |= {(tp.topic, tp.partition) for tp in assigned}
                 log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
-        topics = list(topics)
         # Metadata first: a member that joins before it knows the topics' partitions is assigned none (kafka-python
         # logs "No partition metadata"), and one such member after a broker restart never rejoined.
-        for topic in topics:
+        for topic in self.topics:
             consumer.partitions_for_topic(topic)
-        consumer.subscribe(topics=topics, listener=_Listener())
+        consumer.subscribe(topics=self.topics, listener=_Listener())
+
+    def _check_stuck(self) -> None:
+        """Recreate the consumer when it has held nothing for `stuck_after_s` while partitions belong to nobody."""
+        assert self.watch is not None
+        now = time.monotonic()
+        with self._owned_lock:
+            holding = bool(self._owned)
+        if holding:
+            self._empty_since = None
+            return
+        if self._empty_since is None:
+            self._empty_since = now
+            return
+        if now - self._empty_since < self.watch.stuck_after_s or now - self._last_check < self.watch.stuck_after_s:
+            return
+        self._last_check = now
+        try:
+            unowned = self.watch.unowned()
+        except KafkaError as exc:
+            log.warning("cannot ask the group coordinator which partitions are held (%s: %s)", type(exc).__name__,
+                        exc)
+            return
+        if not unowned:
+            return
+        log.warning("this member has held no partition for %.0f s while %d partitions of its topics belong to no "
+                    "member (%s): recreating its consumer", now - self._empty_since, len(unowned),
+                    ", ".join(f"{t}[{p}]" for t, p in sorted(unowned)[:8]))
+        stuck, self.consumer = self.consumer, self.watch.new_consumer()
+        stuck.close(autocommit=False)  # it holds nothing: nothing to commit
+        self._subscribe(self.consumer)
+        self.recreated += 1
+        self._empty_since = now
 
     def owns(self, position: Position) -> bool:
         with self._owned_lock:
             return position in self._owned
 
     def poll(self, timeout_ms: int) -> list[Record]:
-        return _records(poll_through_outages(self.consumer, timeout_ms), self.log_ids)
+        records = _records(poll_through_outages(self.consumer, timeout_ms), self.log_ids)
+        if self.watch is not None and not records:
+            self._check_stuck()
+        return records
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if not positions:
