@@ -33,6 +33,7 @@ def stack_up(
     from infra.admin import create_topics
     from infra.broker import embedded_broker, remove_broker_file, write_broker_file
     from infra.kafka import make_admin
+    from infra.kafka_cluster import ApacheKafkaCluster
 
     settings = with_broker(current_settings(run_dir), broker_kind, brokers)
     broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
@@ -51,8 +52,14 @@ def stack_up(
             admin.close()
         write_broker_file(settings.run_dir, broker)
         memory = broker.resident_memory_bytes()
-        console.print(f"broker  {broker.bootstrap_servers}  ({broker.description} pid {broker.pid}, started in "
-                      f"{broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB resident, log {broker.log_path})")
+        if isinstance(broker, ApacheKafkaCluster):
+            pids = ", ".join(str(pid) for pid in broker.pids.values())
+            where = f"pids {pids}, started in {broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB resident, " \
+                    f"logs {settings.run_dir / 'logs' / 'broker-*.log'}"
+        else:
+            where = f"pid {broker.pid}, started in {broker.start_seconds:.2f}s, {(memory or 0) / 2**20:.0f} MiB " \
+                    f"resident, log {broker.log_path}"
+        console.print(f"broker  {broker.bootstrap_servers}  ({broker.description} {where})")
         console.print(f"topics  created; run dir {settings.run_dir}")
         console.print(f"use it: export CRL_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}"
                       f"   or pass --run-dir {settings.run_dir}")

@@ -171,6 +171,27 @@ def test_stack_up_worker_and_audit_end_to_end(tmp_path, kind, request):
         assert again.returncode == 0, output
 
 
+@pytest.mark.apache_kafka
+def test_stack_up_starts_a_three_broker_cluster_and_stops_every_node(tmp_path, kafka_jars):
+    stack = subprocess.Popen([*CRL, "stack", "up", "--run-dir", str(tmp_path), "--broker", "kafka", "--brokers", "3"],
+                             env={k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"COLUMNS": "300"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    broker_file = tmp_path / "broker.json"
+    try:
+        _wait_for(broker_file)
+        broker = json.loads(broker_file.read_text())
+        assert len(broker["bootstrap_servers"].split(",")) == 3 and set(broker["node_pids"]) == {"1", "2", "3"}
+        described = crl("topics", "describe", "--run-dir", str(tmp_path))
+        assert described.returncode == 0 and "crl.trajectories" in described.stdout, described.stderr
+    finally:
+        stack.send_signal(signal.SIGINT)
+        output, _ = stack.communicate(timeout=90)
+    assert stack.returncode == 0, output
+    assert "Apache Kafka 4.1.1 (3 brokers)" in output and "broker-*.log" in output and "broker stopped" in output
+    assert not any(_alive(pid) for pid in broker["node_pids"].values())
+    assert sorted(p.name for p in (tmp_path / "logs").glob("broker-*.log")) == [f"broker-{n}.log" for n in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("kind", STACKS)
 def test_broker_dies_with_its_parent(tmp_path, kind, request):
     if kind == "kafka":
