@@ -42,6 +42,7 @@ from pathlib import Path
 from infra.broker_process import BrokerProcess, free_loopback_port, port_is_free
 from infra.cache import default_cache_dir, exclusive_lock
 from infra.errors import BrokerError
+from infra.kafka_security import SecuredBus, write_private
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +323,11 @@ class ApacheKafkaBroker(BrokerProcess):
         cluster_id: str | None = None,
         controller_port: int | None = None,
         voters: dict[int, int] | None = None,
+        security: SecuredBus | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.security = security
+        """TLS, SASL/SCRAM logins and ACL authorization (`infra.kafka_security`); None: a PLAINTEXT broker."""
         self.overrides = dict(overrides or {})
         """Broker settings that replace `BROKER_POLICY`'s (tests use them to stand in for a stock broker)."""
         self.node_id = node_id
@@ -340,6 +344,8 @@ class ApacheKafkaBroker(BrokerProcess):
         self.repository = repository
         self._classpath: list[Path] = []
         self._java = ""
+        if security is not None:
+            self.client_options = security.client_options()
 
     @property
     def log_dir(self) -> Path:
@@ -368,8 +374,12 @@ class ApacheKafkaBroker(BrokerProcess):
         self._classpath = install_kafka_jars(self.cache_dir, self.repository)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         properties = server_properties(self.port, self.controller_port, self.log_dir, node_id=self.node_id,
-                                       voters=self.voters) | self.overrides
-        self.properties_path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+                                       voters=self.voters)
+        if self.security is not None:
+            properties |= self.security.broker_properties(self.port, self.controller_port)
+        properties |= self.overrides
+        # A secured node's properties hold the broker's own logins: readable by the owner only.
+        write_private(self.properties_path, "".join(f"{key}={value}\n" for key, value in properties.items()))
         (self.data_dir / "listeners.json").write_text(
             json.dumps({"port": self.port, "controller_port": self.controller_port}))
         if not (self.log_dir / "meta.properties").exists():
@@ -384,10 +394,13 @@ class ApacheKafkaBroker(BrokerProcess):
         ]
 
     def _format(self) -> None:
-        """`kafka-storage format`: a new cluster id, the metadata log of a single-node quorum."""
+        """`kafka-storage format`: a new cluster id, the metadata log of a single-node quorum; a secured node's SCRAM
+        credentials (salted: no password on the command line)."""
         command = self._java_command("kafka.tools.StorageTool", "format",
                                      "--cluster-id", self.cluster_id or new_cluster_id(),
-                                     "--config", str(self.properties_path), heap_mb=256)
+                                     "--config", str(self.properties_path),
+                                     *(self.security.scram_arguments() if self.security is not None else ()),
+                                     heap_mb=256)
         # A short-lived tool: the JIT's first tier is all it needs.
         command.insert(1, "-XX:TieredStopAtLevel=1")
         result = subprocess.run(command, capture_output=True, text=True, timeout=self.start_timeout_s)

@@ -6,6 +6,9 @@ Two real brokers, chosen with `CRL_BROKER__KIND` or `--broker`:
 - `kafka`: Apache Kafka 4.1.1, the broker of docker-compose.yml, as a child JVM (`infra/apache_kafka.py`); needs
   Java 17+, starts in 3-4 s, keeps its log on disk (in the run directory under `crl run`).
 
+`security` secures the embedded Apache Kafka (`sasl_ssl`: TLS, one SCRAM login per principal, ACLs;
+`infra/kafka_security.py`); the caller makes the principals' `SecuredBus` and passes it to `embedded_broker`.
+
 Tansu stays the default because it starts ~60x faster and needs nothing but the wheel; Apache Kafka is what
 production runs, and every broker test runs on both (docs/kafka.md).
 
@@ -24,6 +27,7 @@ from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
 from infra.broker_process import BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
 from infra.errors import BrokerError
 from infra.kafka_cluster import ApacheKafkaCluster
+from infra.kafka_security import SecuredBus, SecurityKind
 from infra.tansu import TansuBroker, locate_tansu
 
 __all__ = ["BROKER_FILE", "BrokerError", "BrokerProcess", "BrokerSettings", "EmbeddedBroker", "die_with_parent",
@@ -57,12 +61,27 @@ class BrokerSettings(BaseModel):
     maven_repository: str = Field(
         default=MAVEN_CENTRAL, description="Maven repository the jars come from (a mirror of Maven Central).")
     start_timeout_s: float = Field(default=90.0, gt=0, description="How long a start may take before it fails.")
+    security: SecurityKind = Field(
+        default="none",
+        description="'sasl_ssl': the embedded Apache Kafka serves clients over TLS with SASL/SCRAM-SHA-512 logins "
+        "(an admin and one principal per worker kind, passwords in RUN_DIR/security/credentials.json) and authorizes "
+        "every request with ACLs (each worker kind reads and writes its declared topics only). 'none': PLAINTEXT.")
 
     @model_validator(mode="after")
     def _clusters_are_apache_kafka(self) -> BrokerSettings:
         if self.brokers > 1 and self.kind != "kafka":
             raise ValueError(f"{self.brokers} brokers need the Apache Kafka broker (--broker kafka); "
                              "Tansu runs as one memory-only broker")
+        return self
+
+    @model_validator(mode="after")
+    def _security_is_one_apache_kafka(self) -> BrokerSettings:
+        if self.security != "none" and self.kind != "kafka":
+            raise ValueError(f"security {self.security!r} needs the Apache Kafka broker (--broker kafka); Tansu has "
+                             "no authentication or ACLs")
+        if self.security != "none" and self.brokers > 1:
+            raise ValueError(f"security {self.security!r} is available on one embedded Apache Kafka node, not "
+                             f"{self.brokers}")
         return self
 
 
@@ -72,8 +91,13 @@ def embedded_broker(
     data_dir: Path,
     log_path: Path | None = None,
     port: int | None = None,
+    security: SecuredBus | None = None,
 ) -> EmbeddedBroker:
-    """The embedded broker `settings` name (not started). `data_dir` holds Apache Kafka's log; Tansu keeps none."""
+    """The embedded broker `settings` name (not started). `data_dir` holds Apache Kafka's log; Tansu keeps none.
+    `security` is the secured broker's certificates and logins, required when `settings.security` asks for one."""
+    if (settings.security != "none") != (security is not None):
+        raise BrokerError(f"broker security {settings.security!r} with "
+                          f"{'no' if security is None else 'a'} SecuredBus: pass one exactly when it is secured")
     if settings.kind == "tansu":
         return TansuBroker(log_path=log_path, port=port, tansu_bin=settings.tansu_bin,
                            start_timeout_s=settings.start_timeout_s)
@@ -83,7 +107,7 @@ def embedded_broker(
                                   repository=settings.maven_repository, start_timeout_s=settings.start_timeout_s)
     return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
                              java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
-                             start_timeout_s=settings.start_timeout_s)
+                             start_timeout_s=settings.start_timeout_s, security=security)
 
 
 BROKER_FILE = "broker.json"

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
@@ -58,17 +58,19 @@ def die_with_parent() -> None:
 
 
 def wait_until_answers(bootstrap_servers: str, timeout_s: float = 20.0,
-                       check: Callable[[], None] | None = None) -> None:
+                       check: Callable[[], None] | None = None, client_options: dict[str, Any] | None = None) -> None:
     """Block until a Kafka client can fetch metadata from `bootstrap_servers`, or raise `BrokerError`.
 
-    `check` runs between attempts and may raise to give up early (a broker process that exited)."""
+    `check` runs between attempts and may raise to give up early (a broker process that exited); `client_options`
+    are kafka-python keywords of the client that asks (a secured broker's TLS and SASL login)."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         if check is not None:
             check()
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers.split(","), request_timeout_ms=2000)
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers.split(","), request_timeout_ms=2000,
+                                     **(client_options or {}))
         except (KafkaError, OSError, ValueError) as exc:
             last_error = exc
             time.sleep(0.05)
@@ -114,6 +116,8 @@ class BrokerProcess(ABC):
         self.start_seconds: float | None = None
         """Wall time of the last `start()`, preparation included."""
         self._process: subprocess.Popen[bytes] | None = None
+        self.client_options: dict[str, Any] = {}
+        """kafka-python keywords a client needs to reach this broker (TLS and SASL login when it is secured)."""
 
     # -- what subclasses provide ---------------------------------------------------------------------------------
 
@@ -200,7 +204,8 @@ class BrokerProcess(ABC):
                 raise BrokerError(f"{self.description} did not open port {self.port} within "
                                   f"{self.start_timeout_s:.0f}s (see {self.log_path or 'its log'})")
             time.sleep(0.02)
-        wait_until_answers(self.bootstrap_servers, max(1.0, deadline - time.monotonic()), check=self._check_alive)
+        wait_until_answers(self.bootstrap_servers, max(1.0, deadline - time.monotonic()), check=self._check_alive,
+                           client_options=self.client_options)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM, then SIGKILL after `timeout_s` (the class's grace period by default). Safe to call twice."""

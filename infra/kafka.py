@@ -11,10 +11,13 @@ at a secured cluster needs only environment variables, e.g.::
 
 from __future__ import annotations
 
+import socket
+import ssl
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaTimeoutError
 from kafka.structs import OffsetAndMetadata
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -186,10 +189,64 @@ def commit_group_offsets(settings: KafkaSettings, group_id: str, offsets: Mappin
         consumer.close(autocommit=False)
 
 
+class KafkaLoginError(ConfigError):
+    """The broker refused the client's SASL login (a wrong user name or password) or its TLS handshake (a CA that
+    did not sign the broker's certificate)."""
+
+
+def _handshake_failure(options: Mapping[str, Any]) -> str | None:
+    """Why the first bootstrap server, which accepts a TCP connection, refuses the TLS handshake with the configured
+    CA (SSL / SASL_SSL), or None when it accepts it. Raises `OSError` when no TCP connection opens."""
+    host, _, port = options["bootstrap_servers"][0].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        if options["security_protocol"] not in ("SSL", "SASL_SSL"):
+            return None
+        context = ssl.create_default_context(cafile=options.get("ssl_cafile"))
+        context.check_hostname = bool(options.get("ssl_check_hostname", True))
+        try:
+            with context.wrap_socket(sock, server_hostname=host):
+                return None
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            return f"{type(exc).__name__}: {exc}"
+
+
+class _AdminClient(KafkaAdminClient):
+    """kafka-python's admin client, which says why it could not bootstrap. kafka-python retries a refused SASL login
+    until its bootstrap timeout and then reports only "Unable to bootstrap" (and its SSL transport often sees the
+    broker's close before the refusal): a broker that answers over TLS but lets no login through within the timeout
+    refused the credentials."""
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            super().__init__(**options)
+        except KafkaTimeoutError as exc:
+            if hasattr(self, "_net"):  # stop the IO thread the failed constructor left running
+                self._closed = False
+                self.close()
+            if not options.get("sasl_mechanism"):
+                raise
+            try:
+                refused_tls = _handshake_failure(options)
+            except OSError:
+                raise exc from None  # nothing listens there: a broker down, not a login refused
+            if refused_tls is not None:
+                raise KafkaLoginError(f"the TLS handshake with the broker at {options['bootstrap_servers'][0]} "
+                                      f"failed: {refused_tls} (CRL_KAFKA__SSL_CAFILE names the CA that signed "
+                                      "its certificate)") from exc
+            raise KafkaLoginError(
+                f"the broker at {','.join(options['bootstrap_servers'])} answers over {options['security_protocol']} "
+                f"but refused the login of {options.get('sasl_plain_username')!r} ({options['sasl_mechanism']}) for "
+                f"{options['bootstrap_timeout_ms'] / 1000:.0f}s: a wrong user name or password (its log says "
+                "'Failed authentication'); check CRL_KAFKA__SASL_PLAIN_USERNAME and CRL_KAFKA__SASL_PLAIN_PASSWORD"
+            ) from exc
+
+
 def make_admin(settings: KafkaSettings, client_id: str | None = None) -> KafkaAdminClient:
-    return KafkaAdminClient(
+    """An admin client; raises `KafkaLoginError` when the broker refuses its SASL login."""
+    return _AdminClient(
         **settings.security(),
         client_id=client_id or f"{settings.client_id}-admin",
         request_timeout_ms=settings.request_timeout_ms,
+        bootstrap_timeout_ms=settings.request_timeout_ms,
         reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
     )

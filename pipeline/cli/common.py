@@ -153,13 +153,27 @@ BrokersOption = Annotated[int | None, typer.Option(
     "replicas, 2 in sync) that survives one dead node. Default: CRL_BROKER__BROKERS, else 1.")]
 
 
-def with_broker(settings: Settings, broker: BrokerChoice | None, brokers: int | None = None) -> Settings:
-    """`settings` with the embedded broker the command line chose (kind and number of nodes)."""
+class SecurityChoice(StrEnum):
+    none = "none"
+    sasl_ssl = "sasl_ssl"
+
+
+SecurityOption = Annotated[SecurityChoice | None, typer.Option(
+    "--security", help="Secure the embedded Apache Kafka: sasl_ssl serves TLS with SCRAM-SHA-512 logins (an admin and "
+    "one principal per worker kind, passwords in RUN_DIR/security/) and ACLs from each kind's declared topics. "
+    "Default: CRL_BROKER__SECURITY, else none.")]
+
+
+def with_broker(settings: Settings, broker: BrokerChoice | None, brokers: int | None = None,
+                security: SecurityChoice | None = None) -> Settings:
+    """`settings` with the embedded broker the command line chose (kind, number of nodes, security)."""
     update: dict[str, Any] = {}
     if broker is not None:
         update["kind"] = broker.value
     if brokers is not None:
         update["brokers"] = brokers
+    if security is not None:
+        update["security"] = security.value
     if not update:
         return settings
     from pydantic import ValidationError

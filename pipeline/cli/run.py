@@ -13,6 +13,7 @@ from pipeline.cli.common import (
     BrokerOption,
     BrokersOption,
     RunDirOption,
+    SecurityOption,
     State,
     configure_logging,
     console,
@@ -40,6 +41,7 @@ def run(
     report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,
     broker_kind: BrokerOption = None,
     brokers: BrokersOption = None,
+    security: SecurityOption = None,
 ) -> None:
     """Run Complementary RL end to end: broker, topics, every worker, live progress, drain, stop, report."""
 
@@ -48,9 +50,9 @@ def run(
 
     if resume is not None:
         if config is not None or steps is not None or arm is not None or broker_kind is not None or brokers \
-                or run_dir:
+                or run_dir or security is not None:
             raise fail("--resume continues a run with its own settings (RUN_DIR/config.yaml): give no CONFIG, "
-                       "--steps, --arm, --broker, --brokers or --run-dir with it", 2)
+                       "--steps, --arm, --broker, --brokers, --security or --run-dir with it", 2)
         if not (resume / RUN_CONFIG).is_file():
             raise fail(f"{resume} holds no {RUN_CONFIG}: not a run directory that `crl run` made", 2)
         _supervise(Settings(config=resume / RUN_CONFIG, run_dir=resume), report, resume=True)
@@ -65,6 +67,8 @@ def run(
         overrides["broker"] = {"kind": broker_kind.value}
     if brokers is not None:
         overrides["broker"] = overrides.get("broker", {}) | {"brokers": brokers}
+    if security is not None:
+        overrides["broker"] = overrides.get("broker", {}) | {"security": security.value}
     # This is the settings edge: the options override the config and the CRL_* variables; the workers read the
     # result from RUN_DIR/config.yaml (`RunSupervisor`).
     overrides["run_dir"] = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ

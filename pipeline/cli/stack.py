@@ -12,6 +12,7 @@ from pipeline.cli.common import (
     BrokerOption,
     BrokersOption,
     RunDirOption,
+    SecurityOption,
     console,
     current_settings,
     errors,
@@ -28,28 +29,41 @@ def stack_up(
     port: Annotated[int | None, typer.Option(help="Loopback port for the broker (default: a free one).")] = None,
     broker_kind: BrokerOption = None,
     brokers: BrokersOption = None,
+    security: SecurityOption = None,
 ) -> None:
     """Start the embedded broker, create every topic, print the bootstrap address, and run until Ctrl-C."""
     from infra.admin import create_topics
     from infra.broker import embedded_broker, remove_broker_file, write_broker_file
     from infra.kafka import make_admin
     from infra.kafka_cluster import ApacheKafkaCluster
+    from pipeline.run.security import grant_worker_acls, worker_bus
+    from pipeline.runtime.launch import load_worker_registry
 
-    settings = with_broker(current_settings(run_dir), broker_kind, brokers)
+    settings = with_broker(current_settings(run_dir), broker_kind, brokers, security)
+    registry = load_worker_registry()
+    bus = worker_bus(settings.run_dir, registry) if settings.broker.security != "none" else None
     broker = embedded_broker(settings.broker, data_dir=settings.run_dir / "kafka",
-                             log_path=settings.run_dir / "logs" / "broker.log", port=port)
+                             log_path=settings.run_dir / "logs" / "broker.log", port=port, security=bus)
     with errors.status(f"starting {broker.description}"):
         broker.start()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        admin = make_admin(settings.with_bootstrap(broker.bootstrap_servers).kafka)
+        kafka = settings.with_bootstrap(broker.bootstrap_servers).kafka
+        if bus is not None:
+            kafka = bus.client_settings(kafka)
+        admin = make_admin(kafka)
         try:
             create_topics(admin, replicas=settings.kafka.replication_factor,
                           min_insync=settings.kafka.min_insync_replicas)
         finally:
             admin.close()
+        if bus is not None:
+            granted = grant_worker_acls(kafka, registry)
+            console.print(f"secured SASL_SSL, SCRAM-SHA-512: {granted} ACLs for the principals "
+                          f"{', '.join(bus.principals)}; CA {bus.ca_file}, passwords in "
+                          f"{bus.directory / 'credentials.json'}", highlight=False)
         write_broker_file(settings.run_dir, broker)
         memory = broker.resident_memory_bytes()
         if isinstance(broker, ApacheKafkaCluster):

@@ -6,7 +6,9 @@
 What it does, in order:
 1. uses the Kafka named by `CRL_KAFKA__BOOTSTRAP_SERVERS`, or starts the embedded broker (`--broker tansu`, the
    default, memory-only; or `--broker kafka`, Apache Kafka with its log in `RUN_DIR/kafka/`) and writes
-   `broker.json` into the run directory; creates every topic;
+   `broker.json` into the run directory; creates every topic; with `--security sasl_ssl` the embedded Apache Kafka
+   serves TLS and SCRAM logins only, `crl run` logs in as the admin and grants each worker kind's principal the ACLs
+   of its declarations (`pipeline.run.security`), and each worker process logs in as its kind;
 2. starts every worker kind of the `crl.workers` registry the arm needs as `crl worker` subprocesses, consumers
    first and the scheduler last (`pipeline.run.plan` derives the kinds, their order and their counts, such as
    `launch.rollout_workers`, from what each kind declares; the `grpo` arm has no bank, extractor or extractor
@@ -57,12 +59,14 @@ from infra.broker import EmbeddedBroker, die_with_parent, embedded_broker, remov
 from infra.db import database_url, make_engine, migrate
 from infra.kafka import make_admin, make_producer
 from infra.kafka_cluster import ApacheKafkaCluster
+from infra.kafka_security import SecuredBus
 from pipeline.actor.schedule import finished_id, scheduled_id
-from pipeline.errors import RunFailedError
+from pipeline.errors import ConfigError, RunFailedError
 from pipeline.run.plan import planned_kinds, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
 from pipeline.run.restore import commit_group_positions, restore_log
+from pipeline.run.security import grant_worker_acls, worker_bus, worker_principal
 from pipeline.run.view import live_view, numbers, summary_line
 from pipeline.runtime.launch import load_worker_registry
 from pipeline.runtime.log import KafkaLog, events_to_end
@@ -90,7 +94,11 @@ class RunSupervisor:
         self.run_dir = settings.run_dir
         self.run_id = settings.resolved_run_id
         self.broker: EmbeddedBroker | None = None
+        self.bus: SecuredBus | None = None
+        """The secured bus's logins and certificates (`broker.security` sasl_ssl): the admin's for this process,
+        each worker kind's own for its processes."""
         registry = load_worker_registry()
+        self.registry = registry
         self.kinds = planned_kinds(settings, registry)
         """The run's worker kinds in start order."""
         self.workers = [WorkerProcess(kind, instance) for kind, instance in worker_plan(settings, registry)]
@@ -166,14 +174,24 @@ class RunSupervisor:
                     "broker": self.settings.broker.model_copy(
                         update={"kind": embedded, "brokers": launched.get("brokers", 1)}),
                     "kafka": self.settings.kafka.model_copy(update={"bootstrap_servers": None})})
+        if self.settings.kafka.bootstrap_servers and self.settings.broker.security != "none":
+            raise ConfigError(f"broker security {self.settings.broker.security!r} secures the embedded broker, and "
+                              "CRL_KAFKA__BOOTSTRAP_SERVERS names an external Kafka: its TLS and login are set "
+                              "with CRL_KAFKA__SECURITY_PROTOCOL, CRL_KAFKA__SASL_* and CRL_KAFKA__SSL_* "
+                              "(docs/deployment.md)")
         if not self.settings.kafka.bootstrap_servers:
+            if self.settings.broker.security != "none":
+                self.bus = worker_bus(self.run_dir, self.registry)
             self.broker = embedded_broker(self.settings.broker, data_dir=self.run_dir / "kafka",
-                                          log_path=self.run_dir / "logs" / "broker.log")
+                                          log_path=self.run_dir / "logs" / "broker.log", security=self.bus)
             with self.console.status(f"starting {self.broker.description}"):
                 self.broker.start()
             self.console.print(f"broker {self.broker.description} at {self.broker.bootstrap_servers} "
                                f"(started in {self.broker.start_seconds:.1f}s)", highlight=False)
             self.settings = self.settings.with_bootstrap(self.broker.bootstrap_servers)
+            if self.bus is not None:
+                self.settings = self.settings.model_copy(
+                    update={"kafka": self.bus.client_settings(self.settings.kafka)})
             write_broker_file(self.run_dir, self.broker)
         if not self.resume:
             launch.write_text(json.dumps({"embedded_broker": self.broker.kind if self.broker is not None else None,
@@ -185,6 +203,10 @@ class RunSupervisor:
                           min_insync=self.settings.kafka.min_insync_replicas)
         finally:
             admin.close()
+        if self.bus is not None:
+            granted = grant_worker_acls(self.settings.kafka, self.registry)
+            self.console.print(f"secured: TLS and SCRAM-SHA-512 logins, {granted} ACLs for {len(self.registry)} "
+                               f"worker principals (credentials in {self.bus.directory})", highlight=False)
         if self.resume and self.broker is not None and self.broker.kind == "tansu":
             self._restore_log()
 
@@ -245,8 +267,13 @@ class RunSupervisor:
 
     def _write_run_config(self) -> None:
         """RUN_DIR/config.yaml: the run's resolved settings, the one source every worker process reads. It holds
-        credentials in the clear (a SASL password, a database URL), so only its owner may read it."""
+        credentials in the clear (a SASL password, a database URL), so only its owner may read it. On a secured bus
+        it holds no login: each worker gets its own kind's through its environment (`_environment`)."""
+        kafka = self.settings.kafka
+        if self.bus is not None:
+            kafka = kafka.model_copy(update={"sasl_plain_username": None, "sasl_plain_password": None})
         settings = self.settings.model_copy(update={
+            "kafka": kafka,
             "run_dir": self.run_dir.resolve(), "run_id": self.run_id,
             # `crl run` watches the workers' metrics for its live view and its drain rule: every second.
             "runner": self.settings.runner.model_copy(update={"metrics_interval_s": 1.0}),
@@ -257,10 +284,13 @@ class RunSupervisor:
         tmp.write_text(yaml.safe_dump(settings.run_config(), sort_keys=False))
         tmp.replace(path)
 
-    def _environment(self) -> dict[str, str]:
-        """The workers' environment: no CRL_* variable, so RUN_DIR/config.yaml is all their settings."""
+    def _environment(self, kind: str) -> dict[str, str]:
+        """A worker's environment: no CRL_* variable, so RUN_DIR/config.yaml is all its settings, but for its kind's
+        login on a secured bus (`CRL_KAFKA__SASL_PLAIN_USERNAME` / `..._PASSWORD`, never written to a file)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        if self.bus is not None:
+            env.update(self.bus.client_environment(worker_principal(kind)))
         return env
 
     def _spawn(self, worker: WorkerProcess) -> None:
@@ -271,7 +301,7 @@ class RunSupervisor:
             worker.process = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "--config", str(self.run_config.resolve()), "--log-level",
                  "warning", "worker", worker.kind, "--instance", worker.instance],
-                env=self._environment(), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                env=self._environment(worker.kind), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:

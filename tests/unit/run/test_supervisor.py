@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pipeline.errors import ConfigError
 from pipeline.run.plan import check_run_dir, start_order, worker_plan
 from pipeline.run.processes import last_metrics
 from pipeline.run.progress import RunProgress
+from pipeline.run.security import worker_bus
 from pipeline.run.supervisor import RunSupervisor
 from pipeline.runtime.runner import Worker
 from pipeline.settings import LaunchSettings, Settings
@@ -166,9 +168,31 @@ def test_workers_read_the_run_config_and_nothing_from_the_environment(tmp_path, 
     assert child.run_dir == settings.run_dir.resolve() and child.run_id == "run"
     assert child.kafka.sasl_plain_password.get_secret_value() == "s3cret"  # type: ignore[union-attr]
     assert child.actor_trainer == settings.actor_trainer and child.envs == settings.envs
-    environment = supervisor._environment()
+    environment = supervisor._environment("rollout")
     assert not [name for name in environment if name.startswith("CRL_")]
     assert environment["HOME"] == str(tmp_path) and environment["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the secured bus needs `openssl`")
+def test_on_a_secured_bus_each_worker_gets_its_own_login_and_the_run_config_none(tmp_path):
+    """The admin's login stays with `crl run`; a worker process logs in as its kind, through its environment only."""
+    settings = Settings(config=Path(__file__).resolve().parents[3] / "configs" / "tiny-minihack-room.yaml",
+                        run_dir=tmp_path / "run", broker={"kind": "kafka", "security": "sasl_ssl"})
+    supervisor = RunSupervisor(settings, Console(file=io.StringIO()))
+    settings.run_dir.mkdir()
+    supervisor.bus = worker_bus(settings.run_dir, supervisor.registry)
+    supervisor.settings = settings.model_copy(update={"kafka": supervisor.bus.client_settings(
+        settings.with_bootstrap("127.0.0.1:9").kafka)})
+    supervisor._write_run_config()
+    written = (settings.run_dir / "config.yaml").read_text()
+    assert not [password for password in supervisor.bus.passwords.values() if password in written]
+    child = Settings(config=settings.run_dir / "config.yaml")
+    assert child.kafka.security_protocol == "SASL_SSL" and child.kafka.sasl_plain_username is None
+    assert child.kafka.ssl_cafile == str(supervisor.bus.ca_file.resolve())
+    environment = supervisor._environment("rollout")
+    assert environment["CRL_KAFKA__SASL_PLAIN_USERNAME"] == "crl-rollout"
+    assert environment["CRL_KAFKA__SASL_PLAIN_PASSWORD"] == supervisor.bus.password("crl-rollout")
+    assert supervisor._environment("bank")["CRL_KAFKA__SASL_PLAIN_USERNAME"] == "crl-bank"
 
 
 def test_the_live_view_shows_each_family_of_a_mixture_at_the_newest_step():
@@ -194,3 +218,13 @@ def test_the_live_view_shows_each_family_of_a_mixture_at_the_newest_step():
     figures = numbers(progress, threading.Lock(), steps=4)
     assert figures["train by family"] == "minihack-room -/1.00 | twx-twc 1.00/0.00"
     assert "eval by family" not in figures  # one family in the newest evaluation: the eval line says it
+
+
+def test_security_of_the_embedded_broker_is_refused_with_an_external_kafka(tmp_path):
+    settings = Settings(config=Path(__file__).resolve().parents[3] / "configs" / "tiny-minihack-room.yaml",
+                        run_dir=tmp_path / "run", broker={"kind": "kafka", "security": "sasl_ssl"},
+                        kafka={"bootstrap_servers": "127.0.0.1:9"})
+    supervisor = RunSupervisor(settings, Console(file=io.StringIO()))
+    with pytest.raises(ConfigError, match="CRL_KAFKA__SASL_"):
+        supervisor._start_broker()
+    assert supervisor.bus is None and supervisor.broker is None
