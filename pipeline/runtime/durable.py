@@ -1,5 +1,9 @@
 """Making files durable and naming their content: fsync of files and of the directories whose entries (a rename)
-must survive a crash, and the sha256 that manifests (snapshots, checkpoints) record."""
+must survive a crash, and the sha256 that manifests (snapshots, checkpoints) record.
+
+`write_hashed` and `read_hashed` name a file's content in the same pass that writes or reads it (each block is
+hashed while it is in cache), so a checkpoint is never read back to hash what was just written, nor read twice to
+check it and then use it."""
 
 from __future__ import annotations
 
@@ -20,6 +24,43 @@ def fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+BLOCK = 1 << 20
+
+
+def write_hashed(path: Path, data: bytes | memoryview) -> str:
+    """Write `data` to a new file at `path`, fsynced, and return its sha256, hashed block by block as written."""
+    digest = hashlib.sha256()
+    view = memoryview(data).cast("B")
+    with path.open("xb") as handle:
+        for start in range(0, len(view), BLOCK):
+            block = view[start : start + BLOCK]
+            digest.update(block)
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def read_hashed(path: Path) -> tuple[bytearray, str]:
+    """The bytes of the file at `path` and their sha256, hashed block by block as read (one pass)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        data = bytearray(size)
+        view = memoryview(data)
+        filled = 0
+        while filled < size:
+            count = handle.readinto(view[filled : filled + BLOCK])
+            if not count:
+                break  # the file shrank while it was read: the hash below names what was read
+            digest.update(view[filled : filled + count])
+            filled += count
+        view.release()
+    if filled < size:
+        del data[filled:]
+    return data, digest.hexdigest()
 
 
 def file_sha256(path: Path) -> str:
