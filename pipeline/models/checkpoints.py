@@ -187,11 +187,40 @@ _SAFETENSORS_DTYPES = {
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write `tensors` as a safetensors file (the bytes `safetensors.torch.save_file` writes) and return its sha256,
-    hashed while the bytes are written."""
+    """Write `tensors` as a safetensors file, byte for byte what `safetensors.torch.save_file` writes, and return its
+    sha256, hashed block by block as the bytes are written (no copy of the tensors, no reading back).
+
+    The tensors' order and the header's layout are the library's: the order is read from the library's own header
+    for one-element stand-ins of the same names and dtypes (it sorts by dtype, then name), and the header written
+    here is checked against that one, formatted the same way; should they ever differ, the library serialises the
+    whole file instead."""
     from safetensors.torch import save
 
-    return write_hashed(path, save(tensors, metadata=metadata))
+    probe = save({name: torch.zeros(1, dtype=tensor.dtype) for name, tensor in tensors.items()}, metadata=metadata)
+    probe_length = int.from_bytes(probe[:8], "little")
+    order = [name for name in json.loads(probe[8 : 8 + probe_length]) if name != "__metadata__"]
+    expected_probe = _safetensors_header(order, {name: (tensor.dtype, (1,)) for name, tensor in tensors.items()},
+                                         metadata)
+    if expected_probe != probe[: 8 + probe_length] or set(order) != set(tensors):
+        return write_hashed(path, save(tensors, metadata=metadata))
+    header = _safetensors_header(order, {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, metadata)
+    return write_hashed(path, [header, *(_tensor_view(tensors[name]) for name in order)])
+
+
+def _safetensors_header(order: list[str], described: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                        metadata: dict[str, str] | None) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding `described` (dtype, shape) in `order`."""
+    codes = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
+    entries: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        dtype, shape = described[name]
+        length = math.prod(shape) * dtype.itemsize
+        entries[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + length]}
+        offset += length
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
 
 
 def safetensors_tensors(data: bytearray, path: Path) -> dict[str, torch.Tensor]:

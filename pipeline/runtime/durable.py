@@ -29,15 +29,17 @@ def fsync_directory(path: Path) -> None:
 BLOCK = 1 << 20
 
 
-def write_hashed(path: Path, data: bytes | memoryview) -> str:
-    """Write `data` to a new file at `path`, fsynced, and return its sha256, hashed block by block as written."""
+def write_hashed(path: Path, data: bytes | memoryview | list[bytes | memoryview]) -> str:
+    """Write `data` (bytes, or parts written one after the other) to a new file at `path`, fsynced, and return its
+    sha256, hashed block by block as written."""
     digest = hashlib.sha256()
-    view = memoryview(data).cast("B")
     with path.open("xb") as handle:
-        for start in range(0, len(view), BLOCK):
-            block = view[start : start + BLOCK]
-            digest.update(block)
-            handle.write(block)
+        for part in data if isinstance(data, list) else [data]:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), BLOCK):
+                block = view[start : start + BLOCK]
+                digest.update(block)
+                handle.write(block)
         handle.flush()
         os.fsync(handle.fileno())
     return digest.hexdigest()

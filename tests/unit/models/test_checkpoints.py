@@ -316,6 +316,29 @@ def test_safetensors_bytes_are_read_as_the_library_reads_them(tmp_path: Path) ->
     assert read.keys() == expected.keys() == tensors.keys()
     for name, tensor in expected.items():
         assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape and torch.equal(read[name], tensor)
+    # Written as the library writes it, streamed: the library only serialised the one-element stand-ins.
+    import safetensors.torch
+
+    from pipeline.models.checkpoints import write_safetensors
+    from pipeline.runtime.durable import file_sha256
+
+    serialised: list[set[int]] = []
+    library_save = safetensors.torch.save
+
+    def recording_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+        serialised.append({t.numel() for t in tensors.values()})
+        return library_save(tensors, metadata=metadata)
+
+    for metadata in ({"format": "pt"}, None):
+        safetensors.torch.save = recording_save
+        try:
+            sha256 = write_safetensors(tmp_path / f"streamed-{metadata}", tensors, metadata=metadata)
+        finally:
+            safetensors.torch.save = library_save
+        safetensors.torch.save_file(tensors, str(tmp_path / f"library-{metadata}"), metadata=metadata)
+        assert (tmp_path / f"streamed-{metadata}").read_bytes() == (tmp_path / f"library-{metadata}").read_bytes()
+        assert sha256 == file_sha256(tmp_path / f"library-{metadata}")
+    assert serialised == [{1}, {1}]
     truncated = bytearray(data[:-3])  # the last tensor's bytes run past the end
     with pytest.raises(CheckpointError, match=r"x.safetensors is not a readable safetensors file"):
         safetensors_tensors(truncated, tmp_path / "x.safetensors")
