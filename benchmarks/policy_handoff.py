@@ -13,7 +13,9 @@ Sizes (`<size>` in the printed names):
   its AdamW state, on version 0 (the full base, written once, not timed);
 - `synthetic_1b`: a plain state dict (16 float32 tensors; 1.07B parameters, 0.27B with `--quick`), no model, config
   or tokenizer: publish is the safetensors file and the weight hash, pick-up is reading, verifying and copying the
-  tensors into the ones held, composed of the same functions `save_checkpoint` and `load_checkpoint` use.
+  tensors into new ones (before: the new model stood in by tensors allocated and copied into, without its random
+  initialisation) or into the ones held (after), composed of the same functions `save_checkpoint` and
+  `load_checkpoint` use (the weight hash beside the writes; the file's sha256 beside the new tensors' weight hash).
 
 `before` is the code path as it was, re-implemented here step for step (`old_save`, `old_load`): `save_file`, then
 every file hashed by reading it back and the weight hash over a `tobytes` copy of each tensor; loading hashes every
@@ -68,7 +70,7 @@ from pipeline.models.lora import adapter_tensors, is_lora, load_adapter, with_lo
 from pipeline.models.policy_follower import load_published
 from pipeline.models.settings import LoraSettings, TinyModelSettings
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
-from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file, read_hashed
+from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file, map_file, sha256_of
 from schemas.base import Producer
 from schemas.training import PolicyPublished
 
@@ -232,10 +234,12 @@ def measure_synthetic(size: str, root: Path, parameters: int, repeats: int) -> d
     def pickup_before(path: Path, recorded: tuple[str, str]) -> dict[str, torch.Tensor]:
         if file_sha256(path) != recorded[0]:
             raise CheckpointError(f"{path}: sha256")
-        loaded = load_file(str(path))  # new tensors: what building a new model allocates
-        if old_state_hash(loaded) != recorded[1]:
+        loaded = load_file(str(path))
+        # The new model: tensors allocated and the loaded ones copied in, as `load_state_dict` does (no random init).
+        fresh = {name: torch.empty_like(tensor).copy_(tensor) for name, tensor in loaded.items()}
+        if old_state_hash(fresh) != recorded[1]:
             raise CheckpointError(f"{path}: weight hash")
-        return loaded
+        return fresh
 
     def publish_after(path: Path) -> tuple[str, str]:
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -243,11 +247,14 @@ def measure_synthetic(size: str, root: Path, parameters: int, repeats: int) -> d
             return write_safetensors(path, state, metadata={"format": "pt"}), hashing.result()
 
     def pickup_after(path: Path, recorded: tuple[str, str]) -> None:
-        data, found = read_hashed(path)
-        if found != recorded[0]:
-            raise CheckpointError(f"{path}: sha256")
-        tensors = safetensors_tensors(data, path)
-        if state_hash(tensors) != recorded[1]:
+        data = map_file(path)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # as `load_checkpoint` does for the weights of a version
+            file_hash = pool.submit(sha256_of, data)
+            tensors = safetensors_tensors(data, path)
+            new_hash = state_hash(tensors)
+            if file_hash.result() != recorded[0]:
+                raise CheckpointError(f"{path}: sha256")
+        if new_hash != recorded[1]:
             raise CheckpointError(f"{path}: weight hash")
         with torch.no_grad():
             for name, tensor in tensors.items():

@@ -25,9 +25,11 @@ Saving is atomic: everything is written and fsynced in a sibling temporary direc
 
 One pass per file each way: saving hashes each file's bytes as they are written (never reading a file back, but for
 the small config and tokenizer files transformers writes itself), the weight hash computed beside the writes on a
-second thread; loading hashes each file as it is read and takes the tensors as views of the bytes just hashed (no
-second read, no hash pass before a load pass). A full version of the architecture a worker holds is copied into its
-model in place (`load_checkpoint(reuse=...)`), after the new tensors' weight hash has checked out.
+second thread; loading reads each file once (the weights mapped from the page cache), hashes the bytes read (the
+weights' on a second thread, while the new tensors' weight hash is computed or the model is built) and takes the
+tensors as views of those bytes (no second read, no hash pass before a load pass). A full version of the
+architecture a worker holds is copied into its model in place (`load_checkpoint(reuse=...)`), after the new tensors'
+weight hash has checked out.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,15 @@ import torch
 from pipeline.errors import CheckpointError, InvalidArgumentError
 from pipeline.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_tensors, is_lora, load_adapter, wrap
 from pipeline.models.transformers_backend import TransformersPolicy, load_tokenizer
-from pipeline.runtime.durable import file_sha256, fsync_directory, fsync_file, read_hashed, write_hashed
+from pipeline.runtime.durable import (
+    file_sha256,
+    fsync_directory,
+    fsync_file,
+    map_file,
+    read_hashed,
+    sha256_of,
+    write_hashed,
+)
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -223,7 +233,7 @@ def _safetensors_header(order: list[str], described: dict[str, tuple[torch.dtype
     return len(text).to_bytes(8, "little") + text
 
 
-def safetensors_tensors(data: bytearray, path: Path) -> dict[str, torch.Tensor]:
+def safetensors_tensors(data: memoryview | bytearray, path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file's bytes `data`, as views of `data` (no copy); `path` names it in errors.
 
     The format: an 8-byte little-endian header length, a JSON header `{name: {"dtype", "shape", "data_offsets"}}`,
@@ -377,8 +387,9 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
                     reuse: TransformersPolicy | None = None, optimizer: bool = True) -> LoadedCheckpoint:
     """Load a checkpoint written by `save_checkpoint`, verifying the manifest's sha256 (when `expected_sha256` is
     given), every listed file's sha256, and the weight hash of the loaded model. Any mismatch or missing file raises
-    `CheckpointError` naming the file and both hashes. Each file is read once: its sha256 is computed while it is
-    read and the tensors are views of the bytes that were hashed. `optimizer=False` leaves the optimiser state
+    `CheckpointError` naming the file and both hashes. Each file is read once and hashed from the bytes read (the
+    weights, mapped from the page cache, on a second thread beside the work that does not depend on them), and the
+    tensors are views of those bytes. `optimizer=False` leaves the optimiser state
     unread (and so unchecked): what a worker that only generates needs.
 
     `reuse`, a policy already held, gets the new weights in place when it can (the same object is returned):
@@ -388,35 +399,28 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
       `reuse` as it was.
     Otherwise the model is built anew."""
     directory = Path(directory)
-    actual, manifest, files = read_verified(directory, expected_sha256, optimizer=optimizer)
+    actual, manifest, files = read_verified(directory, expected_sha256, optimizer=optimizer, later=(MODEL_FILE,))
     if "base" in manifest:
         return _load_adapter_checkpoint(directory, manifest, files, device, reuse)
     for required in (MODEL_FILE, CONFIG_FILE):
         if required not in manifest["files"]:
             raise CheckpointError(f"{directory / MANIFEST} does not list {required}")
-    state = safetensors_tensors(files.pop(MODEL_FILE), directory / MODEL_FILE)
-    if reuse is not None and _same_architecture(reuse, manifest):
-        _copy_in_place(reuse, state, directory, manifest)
-        reuse.base_checkpoint, reuse.checkpoint_files = actual, dict(manifest["files"])
-        return _loaded(manifest, files, reuse)
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-    # The initial weights are overwritten; forking keeps the caller's RNG stream where it was.
-    with torch.random.fork_rng(devices=[]):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    # A name missing from the file is fine only when it is tied to (shares memory with) a stored one.
-    loaded_state = model.state_dict()
-    stored_pointers = {loaded_state[name].data_ptr() for name in state if name in loaded_state}
-    untied = [name for name in missing if loaded_state[name].data_ptr() not in stored_pointers]
-    del state, loaded_state  # the tensors were views of the file's bytes, now copied into the model
-    if unexpected or untied:
-        raise CheckpointError(f"{directory / MODEL_FILE} does not fit its config: missing {untied}, "
-                              f"unexpected {sorted(unexpected)}")
+    # The weights' sha256 is computed on a second thread while this one hashes the new tensors (in place) or builds
+    # the model (anew); nothing is copied into a model before it has checked out.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-hash") as pool:
+        data = files.pop(MODEL_FILE)
+        file_checked = pool.submit(_check_sha256, directory / MODEL_FILE, data, manifest["files"][MODEL_FILE])
+        try:
+            state = safetensors_tensors(data, directory / MODEL_FILE)
+            if reuse is not None and _same_architecture(reuse, manifest):
+                _copy_in_place(reuse, state, directory, manifest, file_checked)
+                reuse.base_checkpoint, reuse.checkpoint_files = actual, dict(manifest["files"])
+                return _loaded(manifest, files, reuse)
+            model = _built(directory, state, file_checked)
+        except CheckpointError:
+            file_checked.result()  # a file that is not the one the manifest names is the error to report
+            raise
+    del state, data  # the tensors were views of the file's bytes, now copied into the model
     if (loaded_hash := weight_hash(model)) != manifest["weight_hash"]:
         raise CheckpointError(f"{directory / MODEL_FILE}: weight hash {loaded_hash} after loading, manifest says "
                               f"{manifest['weight_hash']}")
@@ -428,26 +432,56 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
     return _loaded(manifest, files, policy)
 
 
-def read_verified(directory: Path, expected_sha256: str | None = None, *, optimizer: bool = True
-                  ) -> tuple[str, dict[str, Any], dict[str, bytearray]]:
+def _check_sha256(path: Path, data: memoryview, recorded: str) -> None:
+    if (found := sha256_of(data)) != recorded:
+        raise CheckpointError(f"{path}: sha256 {found}, manifest says {recorded}")
+
+
+def _built(directory: Path, state: dict[str, torch.Tensor], file_checked: Future[None]) -> Any:
+    """A new model from the checkpoint's config, holding `state` once `file_checked` has passed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
+    # The initial weights are overwritten; forking keeps the caller's RNG stream where it was.
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    file_checked.result()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    # A name missing from the file is fine only when it is tied to (shares memory with) a stored one.
+    loaded_state = model.state_dict()
+    stored_pointers = {loaded_state[name].data_ptr() for name in state if name in loaded_state}
+    untied = [name for name in missing if loaded_state[name].data_ptr() not in stored_pointers]
+    if unexpected or untied:
+        raise CheckpointError(f"{directory / MODEL_FILE} does not fit its config: missing {untied}, "
+                              f"unexpected {sorted(unexpected)}")
+    return model
+
+
+def read_verified(directory: Path, expected_sha256: str | None = None, *, optimizer: bool = True,
+                  later: tuple[str, ...] = ()) -> tuple[str, dict[str, Any], dict[str, memoryview]]:
     """The manifest sha256, the manifest, and the bytes of every file it lists (the optimiser state only with
     `optimizer`), each file hashed as it is read and checked against the manifest (`CheckpointError` naming the
-    file and both hashes)."""
+    file and both hashes). The files named in `later` are mapped (`map_file`) but not hashed: the caller checks them."""
     if not (directory / MANIFEST).is_file():
         raise CheckpointError(f"{directory / MANIFEST} is missing")
     manifest_data, actual = read_hashed(directory / MANIFEST)
     if expected_sha256 is not None and actual != expected_sha256:
         raise CheckpointError(f"{directory / MANIFEST}: sha256 {actual}, expected {expected_sha256}")
-    manifest = json.loads(manifest_data)
+    manifest = json.loads(bytes(manifest_data))
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{directory / MANIFEST}: format {manifest.get('format')!r}, this code reads {FORMAT}")
-    files: dict[str, bytearray] = {}
+    files: dict[str, memoryview] = {}
     for name, recorded in sorted(manifest["files"].items()):
         if name == OPTIMIZER_FILE and not optimizer:
             continue
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest (sha256 {recorded}) but missing")
+        if name in later:
+            files[name] = map_file(path)
+            continue
         data, found = read_hashed(path)
         if found != recorded:
             raise CheckpointError(f"{path}: sha256 {found}, manifest says {recorded}")
@@ -472,9 +506,10 @@ def _same_architecture(held: TransformersPolicy, manifest: dict[str, Any]) -> bo
 
 
 def _copy_in_place(held: TransformersPolicy, state: dict[str, torch.Tensor], directory: Path,
-                   manifest: dict[str, Any]) -> None:
-    """Copy the tensors of a full version into `held`'s parameters and buffers. Everything is checked first (names,
-    shapes, dtypes, and the weight hash the model will have), so a refused version changes nothing."""
+                   manifest: dict[str, Any], file_checked: Future[None]) -> None:
+    """Copy the tensors of a full version into `held`'s parameters and buffers. Everything is checked first (the
+    file's sha256, names, shapes, dtypes, and the weight hash the model will have), so a refused version changes
+    nothing."""
     target = held.model.state_dict()
     stored = _stored_names(held.model)
     unfit = sorted(set(state) ^ {stored[name] for name in target})
@@ -484,7 +519,9 @@ def _copy_in_place(held: TransformersPolicy, state: dict[str, torch.Tensor], dir
         raise CheckpointError(f"{directory / MODEL_FILE} does not fit the model held (names, shapes or dtypes "
                               f"differ: {unfit[:5]})")
     # The hash of the model after the copy, from the new tensors: a tied weight counts under each of its names.
-    if (new_hash := state_hash({name: state[stored[name]] for name in target})) != manifest["weight_hash"]:
+    new_hash = state_hash({name: state[stored[name]] for name in target})
+    file_checked.result()
+    if new_hash != manifest["weight_hash"]:
         raise CheckpointError(f"{directory / MODEL_FILE}: weight hash {new_hash} after loading, manifest says "
                               f"{manifest['weight_hash']}")
     with torch.no_grad():
@@ -493,7 +530,7 @@ def _copy_in_place(held: TransformersPolicy, state: dict[str, torch.Tensor], dir
     held.model.eval()
 
 
-def _loaded(manifest: dict[str, Any], files: dict[str, bytearray], policy: TransformersPolicy) -> LoadedCheckpoint:
+def _loaded(manifest: dict[str, Any], files: dict[str, memoryview], policy: TransformersPolicy) -> LoadedCheckpoint:
     optimizer_state = None
     if OPTIMIZER_FILE in files:
         # Cloned: views of the file's bytes would keep all of them alive for as long as any one tensor lives.
@@ -503,14 +540,14 @@ def _loaded(manifest: dict[str, Any], files: dict[str, bytearray], policy: Trans
                             optimizer_param_groups=manifest["optimizer_param_groups"])
 
 
-def _load_adapter_checkpoint(directory: Path, manifest: dict[str, Any], files: dict[str, bytearray], device: str,
+def _load_adapter_checkpoint(directory: Path, manifest: dict[str, Any], files: dict[str, memoryview], device: str,
                              reuse: TransformersPolicy | None) -> LoadedCheckpoint:
     """A LoRA version: its adapter on its base (loaded and verified, or the base `reuse` already holds)."""
     for required in (ADAPTER_FILE, ADAPTER_CONFIG_FILE):
         if required not in manifest["files"]:
             raise CheckpointError(f"{directory / MANIFEST} names a base but does not list {required}")
     base = manifest["base"]
-    config = json.loads(files[ADAPTER_CONFIG_FILE])
+    config = json.loads(bytes(files[ADAPTER_CONFIG_FILE]))
     tensors = safetensors_tensors(files[ADAPTER_FILE], directory / ADAPTER_FILE)
     if (reuse is not None and is_lora(reuse.model) and reuse.base_checkpoint == base["manifest_sha256"]
             and reuse.adapter_config == config):

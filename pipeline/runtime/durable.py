@@ -3,11 +3,13 @@ must survive a crash, and the sha256 that manifests (snapshots, checkpoints) rec
 
 `write_hashed` and `read_hashed` name a file's content in the same pass that writes or reads it (each block is
 hashed while it is in cache), so a checkpoint is never read back to hash what was just written, nor read twice to
-check it and then use it."""
+check it and then use it; `map_file` and `sha256_of` let a caller hash a large file's bytes on another thread while it
+uses the same bytes."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from pathlib import Path
 
@@ -45,13 +47,12 @@ def write_hashed(path: Path, data: bytes | memoryview | list[bytes | memoryview]
     return digest.hexdigest()
 
 
-def read_hashed(path: Path) -> tuple[bytearray, str]:
+def read_hashed(path: Path) -> tuple[memoryview, str]:
     """The bytes of the file at `path` and their sha256, hashed block by block as read (one pass)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         size = os.fstat(handle.fileno()).st_size
-        data = bytearray(size)
-        view = memoryview(data)
+        view = memoryview(bytearray(size))
         filled = 0
         while filled < size:
             count = handle.readinto(view[filled : filled + BLOCK])
@@ -59,10 +60,22 @@ def read_hashed(path: Path) -> tuple[bytearray, str]:
                 break  # the file shrank while it was read: the hash below names what was read
             digest.update(view[filled : filled + count])
             filled += count
-        view.release()
-    if filled < size:
-        del data[filled:]
-    return data, digest.hexdigest()
+    return view[:filled], digest.hexdigest()
+
+
+def map_file(path: Path) -> memoryview:
+    """The bytes of the file at `path`, mapped copy-on-write: the pages of the page cache are read in place (no
+    buffer is allocated and filled), and writing to the view never reaches the file. For files that are not written
+    again, as a published checkpoint is not."""
+    with path.open("rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY))
+
+
+def sha256_of(data: memoryview | bytes) -> str:
+    """sha256 of bytes in memory (hashlib releases the GIL: another thread can hash something else meanwhile)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def file_sha256(path: Path) -> str:

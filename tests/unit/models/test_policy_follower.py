@@ -181,3 +181,58 @@ def test_a_version_of_another_architecture_is_built_anew(two_versions, tmp_path)
     loaded = load_published(_event(info.path, 3, info.manifest_sha256), "transformers", current=held)
     assert loaded is not held and weight_hash(loaded.model) == info.weight_hash
     assert loaded.model.config.intermediate_size == 48 and held.model.config.intermediate_size == 64
+
+
+class _Engine:
+    """Stands in for `vllm.LLM`: `collective_rpc` runs the callable on one worker whose model records what its
+    `load_weights` was given (vLLM itself needs CUDA and is not installed here)."""
+
+    def __init__(self) -> None:
+        import types
+
+        self.loaded: dict[str, object] = {}
+        self.prefix_cache_resets = 0
+        model = types.SimpleNamespace(load_weights=lambda weights: self.loaded.update(dict(weights)))
+        self.worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
+
+    def collective_rpc(self, method, args=()):
+        return [method(self.worker, *args)]
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
+
+
+def test_the_vllm_backend_hands_a_full_version_to_the_running_engine(two_versions, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.models.vllm_backend import VllmPolicy
+
+    v1, v2 = two_versions
+    served = VllmPolicy.__new__(VllmPolicy)  # what __init__ leaves, without starting an engine
+    served.llm = engine = _Engine()
+    served.checkpoint_files = json.loads((checkpoint_path(v1.checkpoint_uri) / "manifest.json").read_text())["files"]
+    assert load_published(v2, "vllm", current=served) is served
+    expected = load_file(str(checkpoint_path(v2.checkpoint_uri) / "model.safetensors"))
+    assert engine.loaded.keys() == expected.keys()
+    assert all(torch.equal(engine.loaded[name], tensor) for name, tensor in expected.items())
+    assert engine.prefix_cache_resets == 1
+    assert served.checkpoint_files == json.loads((checkpoint_path(v2.checkpoint_uri) / "manifest.json").read_text())[
+        "files"]
+    # A flipped byte is refused before the engine is touched.
+    copy = tmp_path / "v000002"
+    shutil.copytree(checkpoint_path(v2.checkpoint_uri), copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    engine.loaded.clear()
+    with pytest.raises(CheckpointError, match=r"model.safetensors: sha256"):
+        served.load_version(copy, v2.sha256)
+    assert engine.loaded == {} and engine.prefix_cache_resets == 1
+    # Another architecture is not loaded into the running engine: the caller starts a new one.
+    served.checkpoint_files = {**served.checkpoint_files, "config.json": "0" * 64}
+    assert served.load_version(checkpoint_path(v2.checkpoint_uri), v2.sha256) is False
+    assert engine.loaded == {}
