@@ -2,7 +2,7 @@
 time to publish it (`save_checkpoint`), the time a worker takes to serve it (what `load_published` does with the
 version it holds), and the bytes a version takes on disk.
 
-    python benchmarks/policy_handoff.py --quick   # a synthetic state dict of 0.27B parameters, 2 repeats (~3 min)
+    python benchmarks/policy_handoff.py --quick   # a synthetic state dict of 0.27B parameters, 2 repeats (~1.5 min)
     python benchmarks/policy_handoff.py           # a synthetic state dict of 1.07B parameters, 3 repeats (~5 min)
 
 Sizes (`<size>` in the printed names):

@@ -255,10 +255,11 @@ def safetensors_tensors(data: memoryview | bytearray, path: Path) -> dict[str, t
             begin, end = (int(offset) for offset in entry["data_offsets"])
             count = math.prod(shape)
             if end - begin != count * dtype.itemsize or start + end > len(data) or begin < 0:
-                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not hold {shape} {entry['dtype']}")
+                raise CheckpointError(f"{path} is not a readable safetensors file: tensor {name!r} at offsets "
+                                      f"{begin}..{end} cannot hold {shape} {entry['dtype']}")
             tensors[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin).reshape(shape)
                              if count else torch.empty(shape, dtype=dtype))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:  # a header that is not JSON, or lacks a field
         raise CheckpointError(f"{path} is not a readable safetensors file: {exc!r}") from exc
     return tensors
 
