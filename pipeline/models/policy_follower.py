@@ -7,8 +7,10 @@
 Every instance reads the whole (one-partition) topic from offset 0 through a follower of the runtime
 (`pipeline.runtime.log`): a consumer group would spread the one partition over the instances, and each of them needs
 every version. Loading
-verifies the checkpoint's manifest sha256 against the event and every file's sha256 against the manifest
-(`load_checkpoint`); a mismatch raises `CheckpointError` and the worker keeps the version it has.
+verifies the checkpoint's manifest sha256 against the event and every file it reads against the manifest
+(`load_checkpoint`, each file hashed in the pass that reads it); a mismatch raises `CheckpointError` and the worker
+keeps the version it has. A new version goes into the model the worker holds, in place, whenever it can
+(`load_published`).
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
                    micro_batch_size: int = 8, seed: int = 0, current: PolicyModel | None = None,
                    precision: str = "float32") -> PolicyModel:
     """The policy of `event`, after its checkpoint's sha256 checks out, to generate at `precision` (transformers:
-    float32, or a bfloat16 copy, `TransformersPolicy.for_generation`). A LoRA version on the base `current` already
-    holds (or the float32 policy a bfloat16 `current` was made from) is applied to it in place (the base is not
-    loaded again)."""
+    float32, or a bfloat16 copy, `TransformersPolicy.for_generation`).
+
+    What `current` (the policy the worker holds) already has is reused, in place:
+    - a LoRA version on the base `current` holds (or the float32 policy a bfloat16 `current` was made from) gets its
+      adapter set, the base is not loaded again;
+    - a full version of the same architecture (the same config and tokenizer files) is copied into `current`'s
+      parameters, and into its bfloat16 copy's, once the new weights' hash has checked out; no model is built.
+    A refused version (`CheckpointError`) leaves `current` as it was. The vllm backend hands a full version to the
+    running engine when its architecture is the one served (`VllmPolicy.load_version`)."""
     path = checkpoint_path(event.checkpoint_uri)
     if backend == "transformers":
         reuse = current if isinstance(current, TransformersPolicy) else None
         if reuse is not None and reuse.full_precision is not None:
             reuse = reuse.full_precision
-        loaded = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse).policy
+        loaded = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse,
+                                 optimizer=False).policy
         loaded.end_sessions()  # a policy loaded in place forgets the keys and values of its previous weights
-        policy = loaded.for_generation(precision)
+        policy = loaded.for_generation(precision, reuse=current if isinstance(current, TransformersPolicy) else None)
         policy.micro_batch_size = micro_batch_size
         return policy
     if backend == "vllm":
@@ -57,6 +66,8 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
         if (path / ADAPTER_FILE).exists():
             raise ConfigError(f"{path} is a LoRA adapter version; the vllm backend serves full checkpoints only "
                               "(set the role's generation.backend to transformers, or model.lora.rank to 0)")
+        if isinstance(current, VllmPolicy) and current.load_version(path, event.sha256):
+            return current
         return VllmPolicy(str(path), seed=seed)
     raise InvalidArgumentError(f"unknown backend {backend!r}; valid values: transformers, vllm")
 

@@ -158,6 +158,9 @@ class TransformersPolicy(PolicyModel):
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer_eos + config_eos)
         self.base_checkpoint: str | None = None
         """Manifest sha256 of the full checkpoint the weights (the base, for a LoRA policy) were loaded from."""
+        self.checkpoint_files: dict[str, str] | None = None
+        """The sha256 of every file of that checkpoint (its manifest's `files`): a later version whose config and
+        tokenizer files are the same is copied into this model in place (`load_checkpoint(reuse=...)`)."""
         self.adapter_config: dict[str, Any] | None = None
         """The LoRA adapter's configuration (`pipeline.models.lora`), None for a plain model."""
         self.full_precision: TransformersPolicy | None = None
@@ -186,11 +189,12 @@ class TransformersPolicy(PolicyModel):
             raise ConfigError(f"cannot load a causal LM and tokenizer from {path}: {exc}") from exc
         return cls(model, tokenizer, device=device, micro_batch_size=micro_batch_size)
 
-    def for_generation(self, precision: str) -> TransformersPolicy:
+    def for_generation(self, precision: str, *, reuse: TransformersPolicy | None = None) -> TransformersPolicy:
         """The policy a generating worker samples from at `precision`: itself for float32; for bfloat16 a copy with
-        bfloat16 weights, a LoRA adapter merged into them (a decode step then reads each weight once, at half the
-        bytes, with no adapter matmuls). The copy names this policy as `full_precision`, which a later adapter
-        version is loaded onto (its hashes are over the float32 weights)."""
+        bfloat16 weights, a LoRA adapter merged in (a decode step then reads each weight once, at half the bytes,
+        with no adapter matmuls). The copy names this policy as `full_precision`, which a later version is loaded
+        onto (its hashes are over the float32 weights). `reuse`, an earlier bfloat16 copy of this (plain, not LoRA)
+        policy, gets the current weights copied into it in place instead of a new copy being made."""
         if precision == "float32":
             return self
         if precision != "bfloat16":
@@ -199,6 +203,15 @@ class TransformersPolicy(PolicyModel):
 
         from peft import PeftModel
 
+        if reuse is not None and reuse.full_precision is self and not isinstance(self.model, PeftModel):
+            source, target = self.model.state_dict(), reuse.model.state_dict()
+            if source.keys() == target.keys() and all(source[k].shape == target[k].shape for k in source):
+                with torch.no_grad():
+                    for name, tensor in source.items():
+                        target[name].copy_(tensor)  # rounds to bfloat16 as `.to(torch.bfloat16)` does
+                reuse.end_sessions()
+                reuse.base_checkpoint, reuse.adapter_config = self.base_checkpoint, self.adapter_config
+                return reuse
         model: Any = copy.deepcopy(self.model)
         if isinstance(model, PeftModel):
             model = model.merge_and_unload()

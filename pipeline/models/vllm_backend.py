@@ -15,15 +15,25 @@ Alignment with the transformers backend:
   applies top_k / top_p before that log-softmax, so with truncation on it records the renormalised truncated
   log-prob (>= ours); with top_p = 1 and top_k = 0 (the trainers' setting) both backends record the same quantity.
   Greedy rows (temperature 0) record untempered log-probs in both.
+
+A new full version of the same architecture goes into the running engine in place (`load_version`): its files are
+checked against the manifest in the pass that reads them (`read_verified`), then the state dict is handed to the
+model's own `load_weights` on every worker (`LLM.collective_rpc`), and the prefix cache, which holds keys and values
+of the old weights, is reset. Not run in this project's CI (vLLM needs CUDA): the call follows vLLM's documented
+worker API (`collective_rpc` with a callable receiving the worker, `model_runner.model.load_weights(weights=...)`)
+and the RL examples built on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import json
+from collections.abc import Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from pipeline.errors import ConfigError, InvalidArgumentError
+from pipeline.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
 from pipeline.models.transformers_backend import load_tokenizer
 
@@ -54,6 +64,28 @@ class VllmPolicy(PolicyModel):
         # Prompts go in as token ids, encoded by the tokenizer exactly as saved (vLLM's own loader would pick
         # Qwen2Tokenizer for the tiny preset and encode differently; see `load_tokenizer`).
         self.tokenizer = load_tokenizer(model_path)
+        manifest = Path(model_path) / "manifest.json"
+        self.checkpoint_files: dict[str, str] | None = (
+            json.loads(manifest.read_bytes())["files"] if manifest.is_file() else None)
+        """The sha256 of the files of the checkpoint the engine serves (None for a plain model directory)."""
+
+    def load_version(self, path: Path, expected_sha256: str) -> bool:
+        """Serve the full checkpoint at `path` from the running engine, its weights loaded in place. False (nothing
+        changed) when its config or tokenizer differ from the version served: the caller starts a new engine.
+        `CheckpointError` when a file does not match the manifest, before the engine is touched."""
+        from pipeline.models.checkpoints import MODEL_FILE, read_verified, safetensors_tensors, same_architecture
+
+        _, manifest, files = read_verified(Path(path), expected_sha256, optimizer=False)
+        if "base" in manifest or not same_architecture(self.checkpoint_files, manifest):
+            return False
+        state = safetensors_tensors(files[MODEL_FILE], Path(path) / MODEL_FILE)
+        try:
+            self.llm.collective_rpc(_load_weights, args=(list(state.items()),))
+            self.llm.reset_prefix_cache()  # cached keys and values were computed with the old weights
+        except Exception as exc:
+            raise InvalidStateError(f"vLLM did not take the weights of {path} in place: {exc!r}") from exc
+        self.checkpoint_files = dict(manifest["files"])
+        return True
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
@@ -105,3 +137,9 @@ class VllmPolicy(PolicyModel):
                 dtype=torch.float32,
             ))
         return result
+
+
+def _load_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run on each vLLM worker (`collective_rpc`): the model's own loader maps transformers names onto vLLM's fused
+    layers and copies each tensor into the parameter it belongs to, on the worker's device."""
+    worker.model_runner.model.load_weights(weights=weights)

@@ -244,3 +244,117 @@ def test_optimizer_state_for_other_parameters_is_rejected(policy: TransformersPo
                                     {"params": [trained.model.lm_head.weight]}])
     with pytest.raises(CheckpointError, match="does not fit this optimizer"):
         load_optimizer_tensors(two_groups, tensors, groups)
+
+
+# -- one pass: hashed while written, verified while read ----------------------------------------------------------
+
+HANDOFF_TINY = TinyModelSettings(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                                 vocab_size=300, corpus_episodes=2)
+# What `save_checkpoint` wrote for the model below before it hashed in the same pass (save_file, then file_sha256
+# of the written files): the format, and so every recorded hash, must not change.
+PINNED = {
+    "model.safetensors": "844b2ad7abf48c34662597fe6d52ba8098d7bb58a1857dc385b2c181ba339efe",
+    "optimizer.safetensors": "4456b704ef5968178a11c7c9663c7c5a1f0289f11cffcde218039797c5f72dc1",
+    "weight_hash": "0a01dd1a4e6f44a5a43f52e0c47b947b91a38578b8c465e13d9f073e9fe182ac",
+    "adapter.safetensors": "e0699ca68dc17b532789a87379408636a752dfe667194e595404e2b3917ab651",
+    "adapter_config.json": "3c4165a1d91408271ea322912bd646995f6a9f22a8b81ae824ad72f02a5cee92",
+    "adapter_weight_hash": "ba2262b71a80a87e1ca50464c3d7138ed3a34345a28999e2dacbb01684bc9ac4",
+}
+
+
+def test_hashes_computed_while_writing_are_those_of_the_files_and_of_before(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from pipeline.models.checkpoints import _untied_state_dict
+    from pipeline.models.lora import with_lora
+    from pipeline.models.settings import LoraSettings
+    from pipeline.runtime.durable import file_sha256
+
+    policy = build_tiny(HANDOFF_TINY)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    for parameter in policy.model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    info = save_checkpoint(tmp_path / "v0", policy, optimizer=optimizer, metadata={"version": 0})
+    manifest = json.loads((info.path / MANIFEST).read_text())
+    # Each recorded hash is that of the file as it lies on disk, and of the bytes the old writer produced.
+    assert manifest["files"] == {p.name: file_sha256(p) for p in info.path.iterdir() if p.name != MANIFEST}
+    save_file(_untied_state_dict(policy.model), str(tmp_path / "old.safetensors"), metadata={"format": "pt"})
+    assert (info.path / "model.safetensors").read_bytes() == (tmp_path / "old.safetensors").read_bytes()
+    assert info.manifest_sha256 == file_sha256(info.path / MANIFEST)
+    assert manifest["files"]["model.safetensors"] == PINNED["model.safetensors"]
+    assert manifest["files"]["optimizer.safetensors"] == PINNED["optimizer.safetensors"]
+    assert info.weight_hash == manifest["weight_hash"] == PINNED["weight_hash"]
+
+    adapted = with_lora(load_checkpoint(info.path).policy, LoraSettings(rank=2, alpha=4, seed=1))
+    for name, parameter in adapted.model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.fill_(0.5)
+    lora_info = save_checkpoint(tmp_path / "v1", adapted, metadata={"version": 1}, base=info)
+    lora_manifest = json.loads((lora_info.path / MANIFEST).read_text())
+    assert lora_manifest["files"] == {p.name: file_sha256(p) for p in lora_info.path.iterdir() if p.name != MANIFEST}
+    assert lora_manifest["files"]["adapter.safetensors"] == PINNED["adapter.safetensors"]
+    assert lora_manifest["files"]["adapter_config.json"] == PINNED["adapter_config.json"]
+    assert lora_info.weight_hash == PINNED["adapter_weight_hash"]
+    assert weight_hash(load_checkpoint(lora_info.path, lora_info.manifest_sha256).policy.model) == lora_info.weight_hash
+
+
+def test_safetensors_bytes_are_read_as_the_library_reads_them(tmp_path: Path) -> None:
+    from safetensors.torch import load, save
+
+    from pipeline.models.checkpoints import safetensors_tensors
+
+    tensors = {
+        "f32": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7, "bf16": torch.tensor([1.5, -2.25, 3e-3],
+                                                                                         dtype=torch.bfloat16),
+        "i64": torch.tensor(-(2**40), dtype=torch.int64), "flags": torch.tensor([True, False, True]),
+        "empty": torch.zeros((0, 5), dtype=torch.float16), "u8": torch.tensor([[0, 255]], dtype=torch.uint8),
+    }
+    data = save(tensors, metadata={"format": "pt"})
+    read = safetensors_tensors(bytearray(data), tmp_path / "x.safetensors")
+    expected = load(data)
+    assert read.keys() == expected.keys() == tensors.keys()
+    for name, tensor in expected.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape and torch.equal(read[name], tensor)
+    # Written as the library writes it, streamed: the library only serialised the one-element stand-ins.
+    import safetensors.torch
+
+    from pipeline.models.checkpoints import write_safetensors
+    from pipeline.runtime.durable import file_sha256
+
+    serialised: list[set[int]] = []
+    library_save = safetensors.torch.save
+
+    def recording_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+        serialised.append({t.numel() for t in tensors.values()})
+        return library_save(tensors, metadata=metadata)
+
+    for metadata in ({"format": "pt"}, None):
+        safetensors.torch.save = recording_save
+        try:
+            sha256 = write_safetensors(tmp_path / f"streamed-{metadata}", tensors, metadata=metadata)
+        finally:
+            safetensors.torch.save = library_save
+        safetensors.torch.save_file(tensors, str(tmp_path / f"library-{metadata}"), metadata=metadata)
+        assert (tmp_path / f"streamed-{metadata}").read_bytes() == (tmp_path / f"library-{metadata}").read_bytes()
+        assert sha256 == file_sha256(tmp_path / f"library-{metadata}")
+    assert serialised == [{1}, {1}]
+    truncated = bytearray(data[:-3])  # the last tensor's bytes run past the end
+    with pytest.raises(CheckpointError, match=r"x.safetensors is not a readable safetensors file"):
+        safetensors_tensors(truncated, tmp_path / "x.safetensors")
+
+
+def test_write_hashed_and_read_hashed_name_the_bytes_in_one_pass(tmp_path: Path) -> None:
+    import hashlib
+
+    from pipeline.runtime.durable import BLOCK, read_hashed, write_hashed
+
+    assert write_hashed(tmp_path / "abc", b"abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    data, sha256 = read_hashed(tmp_path / "abc")
+    assert (bytes(data), sha256) == (b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+    blocks = bytes(range(256)) * (2 * BLOCK // 256) + b"tail"  # two whole blocks and a part of one
+    assert write_hashed(tmp_path / "big", blocks) == hashlib.sha256(blocks).hexdigest()
+    data, sha256 = read_hashed(tmp_path / "big")
+    assert (bytes(data), sha256) == (blocks, hashlib.sha256(blocks).hexdigest())
+    with pytest.raises(FileExistsError):
+        write_hashed(tmp_path / "abc", b"other")  # a file is written once

@@ -82,6 +82,34 @@ def test_a_newer_adapter_is_applied_to_the_base_a_worker_holds(lora_run):
     assert weight_hash(held.model) == json.loads((version_dir(root, 2) / "manifest.json").read_text())["weight_hash"]
 
 
+def test_the_follower_sets_a_newer_adapter_in_place_and_leaves_the_optimizer_state_unread(lora_run, tmp_path):
+    from pipeline.models.policy_follower import load_published
+    from schemas.training import PolicyPublished
+
+    run_dir, events = lora_run
+    published = {e.version: e for e in events if isinstance(e, PolicyPublished) and e.role == "actor"}
+    held = load_published(published[1], "transformers")
+    pointers = {name: tensor.data_ptr() for name, tensor in held.model.state_dict().items()}
+    picked_up = load_published(published[2], "transformers", current=held)
+    assert picked_up is held
+    assert {name: tensor.data_ptr() for name, tensor in held.model.state_dict().items()} == pointers
+    assert weight_hash(held.model) == json.loads((version_dir(_root(run_dir), 2) / "manifest.json").read_text())[
+        "weight_hash"]
+    # A generating worker needs no optimiser state: version 2 without it still loads for the follower.
+    copy = tmp_path / "actor"
+    for version in (0, 2):
+        target = version_dir(copy, version)
+        target.mkdir(parents=True)
+        for path in version_dir(_root(run_dir), version).iterdir():
+            if path.name != "optimizer.safetensors":
+                (target / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(CheckpointError, match=r"optimizer.safetensors is listed in the manifest .* but missing"):
+        load_checkpoint(version_dir(copy, 2))
+    v2 = published[2].model_copy(update={"checkpoint_uri": version_dir(copy, 2).resolve().as_uri()})
+    held = load_published(published[1], "transformers")
+    assert load_published(v2, "transformers", current=held) is held
+
+
 def test_a_tampered_adapter_is_refused_and_the_held_version_kept(lora_run, tmp_path):
     run_dir, _ = lora_run
     root = _root(run_dir)
