@@ -30,23 +30,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from pipeline.errors import RankFailedError
 from pipeline.models.checkpoints import weight_hash
-from pipeline.rl.update import Sample, StepResult
-
-if TYPE_CHECKING:
-    from pipeline.rl.training import TrainerStep
+from pipeline.models.transformers_backend import TransformersPolicy
+from pipeline.rl.update import GradientGroup, Sample, StepResult
 
 log = logging.getLogger(__name__)
 
 
 STOP, ALIVE, STEP, STATE = "stop", "alive", "step", "state"
 """Commands rank 0 broadcasts to the other ranks."""
+
+
+class TrainerStep(Protocol):
+    """What a rank trains with: `pipeline.rl.training.TrainerStep`, the same on every rank."""
+
+    @property
+    def policy(self) -> TransformersPolicy: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def run(self, samples: Sequence[Sample], variant: str, group: GradientGroup | None = None) -> StepResult: ...
 
 
 @dataclass(frozen=True)

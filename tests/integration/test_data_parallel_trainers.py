@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,16 @@ def _policy(kafka: KafkaSettings, log: Path):
 
 def test_two_ranks_train_steps_that_replay_on_two_ranks(kafka_bootstrap, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
-    env = _env(kafka_bootstrap, tmp_path)
+    # Collectives time out after 45 s, and the first batch comes a minute after version 0: rank 1 waits for it
+    # that long only because rank 0 keeps it alive.
+    env = {**_env(kafka_bootstrap, tmp_path), "CRL_ACTOR_TRAINER__RANK_TIMEOUT_S": "45"}
     log = tmp_path / "workers.log"
     archiver = subprocess.Popen([*CRL, "worker", "archiver"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     trainer = _start_ranks("actor_trainer", env, log)
     try:
         policy = _policy(kafka, log)
+        time.sleep(60)
+        assert trainer.poll() is None, log.read_text()[-3000:]
         batches = {step: synthetic_trajectories(policy, run_id=tmp_path.name, step=step, groups=2, group_size=4,
                                                 seed=3) for step in (0, 1, 2)}
         _send(kafka_bootstrap, [t for step in (0, 1, 2) for t in batches[step]])
