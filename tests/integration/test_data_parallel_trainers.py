@@ -22,6 +22,7 @@ from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
 pytestmark = pytest.mark.integration
 
 RANKS = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _start_ranks(worker: str, env: dict[str, str], log: Path, script: Path | None = None) -> subprocess.Popen:
@@ -118,8 +119,9 @@ def test_a_rank_killed_mid_step_fails_the_trainer_and_a_restart_resumes_without_
     marker = tmp_path / "rank1-in-step"
     # Rank 1 announces itself once it is inside its shard of the first step, then stays there until it is killed.
     script = tmp_path / "rank1_waits_mid_step.py"
-    script.write_text(
-        "import os, sys, time\nfrom pathlib import Path\nimport pipeline.rl.update as update\n"
+    script.write_text(  # a script's own folder leads sys.path, so the repository is put first as `-m` would
+        f"import os, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom pathlib import Path\n"
+        "import pipeline.rl.update as update\n"
         "original = update.accumulate_gradients\n"
         "def accumulate(*args, **kwargs):\n"
         f"    marker = Path({str(marker)!r})\n"
