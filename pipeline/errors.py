@@ -6,7 +6,8 @@ become exit codes only at the CLI edge (`pipeline.cli.common.EXIT_CODES`).
 - `ConfigError` (and `EnvUnavailableError`): the settings or the environment are wrong; nothing starts.
 - `HashMismatchError` (and `CheckpointError`): recorded and actual hashes differ; every `crl replay` mismatch is one.
 - `EngineCrashedError`: an environment's engine failed mid-episode; that episode fails with the reason, not the worker.
-- `WorkerFailedError`: a worker gave up; its inputs stay uncommitted.
+- `WorkerFailedError`: a worker gave up; its inputs stay uncommitted (`RankFailedError`: a rank of a data-parallel
+  trainer died, timed out or diverged).
 - `RunFailedError`: `crl run` stopped because a worker kept crashing or the broker died.
 - `InvalidArgumentError`, `UnknownItemError`, `InvalidStateError`: a caller's mistake.
 """
@@ -27,12 +28,17 @@ __all__ = [
     "AuditQueryError", "BrokerError", "CheckpointError", "ConfigError", "EngineCrashedError", "EnvUnavailableError",
     "HashMismatchError",
     "InvalidArgumentError", "InvalidStateError", "ParseError", "PipelineError", "PoisonMessageError",
-    "RetryableError", "RunFailedError", "SnapshotError", "UnknownItemError", "WorkerFailedError",
+    "RankFailedError", "RetryableError", "RunFailedError", "SnapshotError", "UnknownItemError", "WorkerFailedError",
 ]
 
 
 class WorkerFailedError(PipelineError):
     """A worker gave up (retries exhausted, outputs not acknowledged); its input offsets were not committed."""
+
+
+class RankFailedError(WorkerFailedError):
+    """A data-parallel trainer lost a rank (killed, crashed, or silent past the collective timeout) or its ranks hold
+    different weights after a step; the step is not published and the trainer stops."""
 
 
 class CheckpointError(HashMismatchError):

@@ -44,6 +44,11 @@ class TrainStepCompleted(Event):
         default=(), description="Per batch event: the advantage the step used (after any weights), for replay.")
     outcome_counts: tuple[NonNegativeInt, ...] = Field(
         default=(), description="Extractor: per generation, the guided outcomes its reward averaged.")
+    world_size: int = Field(
+        default=1, ge=1, le=2**31 - 1,
+        description="Data-parallel ranks that took the step (each trained a shard of the batch, the gradients "
+        "summed); the weights depend on it through float summation order, so `crl replay train` replays the step "
+        "on as many ranks. Events written before this field decode as 1.")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainStepCompleted:

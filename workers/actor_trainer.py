@@ -26,7 +26,8 @@ import torch
 
 from pipeline.actor.metrics import episode_metrics
 from pipeline.rl.batching import ClosedStep, StepCollector
-from pipeline.rl.settings import ActorTrainerSettings
+from pipeline.rl.data_parallel import DataParallel
+from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
     PolicyVersion,
@@ -34,6 +35,7 @@ from pipeline.rl.training import (
     actor_batch,
     checkpoints_root,
     events_of,
+    replica_step,
     unpublished,
 )
 from pipeline.runtime.context import WorkerContext
@@ -136,6 +138,7 @@ class ActorTrainer(Worker):
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
                                      warm_start=actor_warm_start(context.settings),
+                                     parallel=context.parallel,
                                      temperature=context.settings.rollout.generation.temperature)
         self.collector = StepCollector(
             self.settings.group_size, self.settings.groups_per_step, self.settings.group_timeout_s,
@@ -146,6 +149,17 @@ class ActorTrainer(Worker):
     @classmethod
     def build(cls, context: WorkerContext) -> ActorTrainer:
         return cls(context)
+
+    @classmethod
+    def data_parallel(cls, settings: Settings) -> TrainerSettings:
+        return settings.actor_trainer
+
+    @classmethod
+    def serve_rank(cls, settings: Settings, parallel: DataParallel) -> int:
+        """A rank above 0: the newest checkpoint rank 0 wrote, then the steps rank 0 broadcasts."""
+        root = checkpoints_root(settings.run_dir, "actor")
+        temperature = settings.rollout.generation.temperature
+        return parallel.follow(replica_step("actor", settings.actor_trainer, root, temperature))
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return _PendingAwarePositions(context.sql_offset_store(self.name), self.collector)
@@ -165,6 +179,7 @@ class ActorTrainer(Worker):
     def after_poll(self, io: WorkerIO) -> None:
         """Train every step that closed; the runner then commits positions that stop at the oldest episode not yet
         trained (`_PendingAwarePositions`)."""
+        self.trainer.keep_alive()  # data parallel: the other ranks wait for the next batch
         while (closed := self.collector.close(time.monotonic())) is not None:
             self.train(closed, io)
 

@@ -25,12 +25,15 @@ import time
 
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
+from pipeline.rl.data_parallel import DataParallel
+from pipeline.rl.settings import TrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
     PolicyVersion,
     WarmStart,
     checkpoints_root,
     events_of,
+    replica_step,
     unpublished,
 )
 from pipeline.runtime.context import WorkerContext
@@ -78,6 +81,7 @@ class ExtractorTrainer(Worker):
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
                                      warm_start=extractor_warm_start(context.settings),
+                                     parallel=context.parallel,
                                      temperature=context.settings.extractor.generation.temperature)
         self.join = ExtractorJoin()
         self._started: float | None = None
@@ -85,6 +89,17 @@ class ExtractorTrainer(Worker):
     @classmethod
     def build(cls, context: WorkerContext) -> ExtractorTrainer:
         return cls(context)
+
+    @classmethod
+    def data_parallel(cls, settings: Settings) -> TrainerSettings:
+        return settings.extractor_trainer
+
+    @classmethod
+    def serve_rank(cls, settings: Settings, parallel: DataParallel) -> int:
+        """A rank above 0: the newest checkpoint rank 0 wrote, then the steps rank 0 broadcasts."""
+        root = checkpoints_root(settings.run_dir, "extractor")
+        temperature = settings.extractor.generation.temperature
+        return parallel.follow(replica_step("extractor", settings.extractor_trainer, root, temperature))
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return FromTheStart()  # the join state is rebuilt by reading every input from offset 0
@@ -118,6 +133,7 @@ class ExtractorTrainer(Worker):
 
     def after_poll(self, io: WorkerIO) -> None:
         """Once the join is rebuilt from the log, train every batch it can form."""
+        self.trainer.keep_alive()  # data parallel: the other ranks wait for the next batch
         if self.arm in FROZEN_EXTRACTOR_ARMS or not io.caught_up():
             return
         if self._started is not None:

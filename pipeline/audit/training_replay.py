@@ -14,13 +14,22 @@ and names the step.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.audit.views import Audit
+from pipeline.errors import RankFailedError
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, weight_hash
-from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings, TrainerSettings
+from pipeline.rl.data_parallel import DataParallel
+from pipeline.rl.settings import (
+    DEFAULT_REPLAY_RANKS,
+    ActorTrainerSettings,
+    ExtractorTrainerSettings,
+    TrainerSettings,
+)
 from pipeline.rl.training import TrainerStep, actor_batch, extractor_samples
 from pipeline.rl.update import Sample
 from schemas.base import Event, Role
@@ -38,6 +47,7 @@ class StepCheck:
     recorded: str
     replayed: str
     problem: str | None = None
+    world_size: int = 1
 
     @property
     def ok(self) -> bool:
@@ -50,10 +60,17 @@ class TrainingReplay:
     checks: list[StepCheck] = field(default_factory=list)
     problem: str | None = None
     """Why the replay could not start or stopped (None: every step matched)."""
+    unavailable: str | None = None
+    """Set with `problem` when a step could not be replayed here (its world size), as opposed to a mismatch."""
 
     @property
     def ok(self) -> bool:
         return self.problem is None
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """The world sizes of the replayed steps, ascending."""
+        return sorted({check.world_size for check in self.checks})
 
 
 def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
@@ -65,8 +82,10 @@ def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
         yield decode(topic, data, max_bytes=max(len(data), DEFAULT_MAX_PAYLOAD_BYTES))
 
 
-def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None) -> TrainingReplay:
-    """Replay `role`'s recorded steps; stop at the first mismatch."""
+def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None,
+                    max_ranks: int = DEFAULT_REPLAY_RANKS) -> TrainingReplay:
+    """Replay `role`'s recorded steps; stop at the first mismatch, or at a step recorded with more than `max_ranks`
+    data-parallel ranks (or whose ranks cannot start)."""
     report = TrainingReplay(role)
     with Audit(run_dir) as audit:
         policies = {e.version: e for e in _archived(audit, "PolicyPublished", POLICY)
@@ -92,43 +111,135 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
     settings: TrainerSettings = settings_type.model_validate(recorded_trainer)
     update = TrainerStep.resumed(initial, settings, temperature)  # what the trainer built from the same checkpoint
     policy = update.policy  # with its LoRA adapter when the run trained one
-    for expected_version, recorded in enumerate(steps, start=1):
-        where = f"step {recorded.step} (version {recorded.policy_version})"
-        if recorded.policy_version != expected_version:
-            report.problem = f"version {expected_version} has no TrainStepCompleted in the archive; next is {where}"
-            return report
-        before = weight_hash(policy.model)
-        if before != recorded.weight_hash_before:
-            report.problem = (f"{where}: weights before the step differ: recorded {recorded.weight_hash_before}, "
-                              f"replay {before}")
-            return report
-        missing = [e for e in recorded.batch_event_ids if e not in batch_events]
-        if missing:
-            report.problem = f"{where}: {len(missing)} batch events are not in the archive, e.g. {missing[0]}"
-            return report
-        batch = [batch_events[e] for e in recorded.batch_event_ids]
-        samples = _samples(role, batch, recorded, settings)
-        if isinstance(samples, str):
-            report.problem = f"{where}: {samples}"
-            return report
-        if recorded.aggregation != settings.aggregation:
-            report.problem = (f"{where}: recorded aggregation {recorded.aggregation}, the trainer settings say "
-                              f"{settings.aggregation}")
-            return report
-        update.run(samples, recorded.loss_variant)
-        check = StepCheck(recorded.step, recorded.policy_version, recorded.weight_hash_after,
-                          weight_hash(policy.model))
-        if check.recorded != check.replayed:
-            check = StepCheck(check.step, check.version, check.recorded, check.replayed,
-                              f"{where}: weight hash after the step: recorded {check.recorded}, replay "
-                              f"{check.replayed}")
-        report.checks.append(check)
-        if on_step is not None:
-            on_step(check)
-        if not check.ok:
-            report.problem = check.problem
-            return report
+    ranks: ReplayRanks | None = None
+    try:
+        for expected_version, recorded in enumerate(steps, start=1):
+            where = f"step {recorded.step} (version {recorded.policy_version})"
+            if recorded.policy_version != expected_version:
+                report.problem = f"version {expected_version} has no TrainStepCompleted in the archive; next is {where}"
+                return report
+            before = weight_hash(policy.model)
+            if before != recorded.weight_hash_before:
+                report.problem = (f"{where}: weights before the step differ: recorded {recorded.weight_hash_before}, "
+                                  f"replay {before}")
+                return report
+            missing = [e for e in recorded.batch_event_ids if e not in batch_events]
+            if missing:
+                report.problem = f"{where}: {len(missing)} batch events are not in the archive, e.g. {missing[0]}"
+                return report
+            batch = [batch_events[e] for e in recorded.batch_event_ids]
+            samples = _samples(role, batch, recorded, settings)
+            if isinstance(samples, str):
+                report.problem = f"{where}: {samples}"
+                return report
+            if recorded.aggregation != settings.aggregation:
+                report.problem = (f"{where}: recorded aggregation {recorded.aggregation}, the trainer settings say "
+                                  f"{settings.aggregation}")
+                return report
+            world_size = recorded.world_size
+            if world_size == 1:
+                if ranks is not None:
+                    ranks.close()
+                    ranks = None
+                update.run(samples, recorded.loss_variant)
+            else:
+                if world_size > max_ranks:
+                    report.problem = report.unavailable = (
+                        f"{where} was taken by {world_size} data-parallel ranks; this replay may start at most "
+                        f"{max_ranks} (--max-ranks), so it cannot reproduce the step's summation order")
+                    return report
+                try:
+                    if ranks is None or ranks.world_size != world_size:
+                        if ranks is not None:
+                            ranks.close()
+                            ranks = None
+                        ranks = ReplayRanks(role, world_size, policies[0], settings, temperature)
+                        ranks.share(update)
+                    ranks.parallel.step(update, samples, recorded.loss_variant, where)
+                except ReplayRanksUnavailable as exc:
+                    report.problem = report.unavailable = f"{where}: {exc}"
+                    return report
+            check = StepCheck(recorded.step, recorded.policy_version, recorded.weight_hash_after,
+                              weight_hash(policy.model), world_size=world_size)
+            if check.recorded != check.replayed:
+                check = StepCheck(check.step, check.version, check.recorded, check.replayed,
+                                  f"{where}: weight hash after the step: recorded {check.recorded}, replay "
+                                  f"{check.replayed}", world_size)
+            report.checks.append(check)
+            if on_step is not None:
+                on_step(check)
+            if not check.ok:
+                report.problem = check.problem
+                return report
+    finally:
+        if ranks is not None:
+            ranks.close()
     return report
+
+
+class ReplayRanksUnavailable(RankFailedError):
+    """The local ranks a data-parallel step needs could not be started or joined."""
+
+
+class ReplayRanks:
+    """This process as rank 0 of `world_size` local gloo ranks; ranks 1.. are spawned processes that load version 0
+    (`initial`), take the weights and optimiser state the replay has reached (`share`), and follow rank 0's steps."""
+
+    def __init__(self, role: Role, world_size: int, initial: PolicyPublished, settings: TrainerSettings,
+                 temperature: float) -> None:
+        import torch.multiprocessing as mp
+
+        self.world_size = world_size
+        self._directory = Path(tempfile.mkdtemp(prefix="crl-replay-ranks-"))
+        store = self._directory / "store"
+        context = mp.get_context("spawn")
+        self._processes = [
+            context.Process(target=_replay_rank, name=f"replay-rank-{rank}", daemon=True,
+                            args=(role, rank, world_size, str(store), initial.checkpoint_uri, initial.sha256,
+                                  settings.model_dump_json(), temperature, settings.rank_timeout_s))
+            for rank in range(1, world_size)]
+        try:
+            for process in self._processes:
+                process.start()
+            self.parallel = DataParallel.over_file(store, 0, world_size, settings.rank_timeout_s)
+        except (OSError, RankFailedError) as exc:
+            self._stop_processes()
+            raise ReplayRanksUnavailable(f"could not start {world_size} local gloo ranks to replay a step taken "
+                                         f"by {world_size} data-parallel ranks: {exc}") from exc
+
+    def share(self, update: TrainerStep) -> None:
+        """Give every rank the replay's current weights and optimiser state."""
+        self.parallel.share_state(update)
+
+    def close(self) -> None:
+        try:
+            if hasattr(self, "parallel"):
+                self.parallel.finish()
+        except RankFailedError:
+            pass  # a rank already gone: stopping it is all that is left
+        finally:
+            self._stop_processes()
+
+    def _stop_processes(self) -> None:
+        for process in self._processes:
+            if process.pid is not None:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _replay_rank(role: Role, rank: int, world_size: int, store: str, checkpoint_uri: str, sha256: str,
+                 settings_json: str, temperature: float, timeout_s: float) -> None:
+    """A spawned replay rank above 0: join, build the step from version 0, follow rank 0 until it says stop."""
+    settings_type = ActorTrainerSettings if role == "actor" else ExtractorTrainerSettings
+    parallel = DataParallel.over_file(Path(store), rank, world_size, timeout_s)
+    try:
+        loaded = load_checkpoint(checkpoint_path(checkpoint_uri), sha256)
+        parallel.follow(TrainerStep.resumed(loaded, settings_type.model_validate_json(settings_json), temperature))
+    finally:
+        parallel.close()
 
 
 def _samples(role: Role, batch: list[Event], recorded: TrainStepCompleted, settings: TrainerSettings

@@ -16,7 +16,8 @@ from pipeline.cli.common import (
     fail,
     kafka_of,
 )
-from pipeline.errors import HashMismatchError
+from pipeline.errors import ConfigError, HashMismatchError
+from pipeline.rl.settings import DEFAULT_REPLAY_RANKS
 
 replay_app = typer.Typer(help="Rebuild projections from the log and compare them with the live ones.",
                          no_args_is_help=True)
@@ -60,26 +61,35 @@ class TrainRole(StrEnum):
 def train_command(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (archive and checkpoints).")],
     role: Annotated[TrainRole | None, typer.Option(help="Only this role (default: both).")] = None,
+    max_ranks: Annotated[int, typer.Option(
+        min=1, help="Most local gloo ranks to start for a step taken data-parallel; a step recorded with more is "
+        "reported as not replayable here (exit 2), not as a mismatch.")] = DEFAULT_REPLAY_RANKS,
 ) -> None:
-    """Re-run every recorded training step from the archive and the initial checkpoint; compare weight hashes."""
+    """Re-run every recorded training step from the archive and the initial checkpoint; compare weight hashes. A step
+    taken by N data-parallel ranks is replayed on N local gloo ranks."""
     from pipeline.audit.training_replay import StepCheck, replay_training
 
     if not run_dir.is_dir():
         raise fail(f"no run directory at {run_dir}", 2)
     for chosen in [role.value] if role is not None else ["actor", "extractor"]:
-        table = Table("role", "step", "version", "recorded", "replay", "match")
+        table = Table("role", "step", "version", "ranks", "recorded", "replay", "match")
 
         def row(check: StepCheck, chosen: str = chosen, table: Table = table) -> None:
-            table.add_row(chosen, str(check.step), str(check.version), check.recorded[:16], check.replayed[:16],
-                          "[green]yes[/green]" if check.ok else "[red]NO[/red]")
+            table.add_row(chosen, str(check.step), str(check.version), str(check.world_size), check.recorded[:16],
+                          check.replayed[:16], "[green]yes[/green]" if check.ok else "[red]NO[/red]")
 
         with console.status(f"replaying {chosen} steps"):
-            report = replay_training(run_dir, chosen, on_step=row)  # type: ignore[arg-type]
+            report = replay_training(run_dir, chosen, on_step=row, max_ranks=max_ranks)  # type: ignore[arg-type]
         if report.checks:
             console.print(table)
+        sizes = " and ".join(str(size) for size in report.world_sizes)
         if report.ok:
-            console.print(f"{chosen}: {len(report.checks)} steps replayed, every weight hash matches")
+            console.print(f"{chosen}: {len(report.checks)} steps replayed, every weight hash matches (world size "
+                          f"{sizes or 1})")
         elif not report.checks and report.problem and report.problem.startswith("no PolicyPublished") and role is None:
             console.print(f"{chosen}: nothing recorded ({report.problem})")
+        elif report.unavailable is not None:
+            raise ConfigError(f"{chosen}: cannot replay here after {len(report.checks)} matching steps: "
+                              f"{report.unavailable}")
         else:
             raise HashMismatchError(f"{chosen}: {report.problem}")

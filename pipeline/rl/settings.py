@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.models.settings import ModelSettings
 
+DEFAULT_REPLAY_RANKS = 8
+"""The most local gloo ranks `crl replay train` starts for one data-parallel step unless told otherwise."""
+
 
 class TrainerSettings(BaseModel):
     """One trainer's optimiser, loss and batching. The actor runs GRPO, the extractor CISPO (docs/design.md)."""
@@ -35,6 +38,15 @@ class TrainerSettings(BaseModel):
         "for a run. Other aggregations ignore it.")
     micro_batch_size: int = Field(default=8, gt=0, description="Samples per forward/backward pass.")
     threads: int = Field(default=2, gt=0, description="torch CPU threads; recorded, since float sums depend on it.")
+    ranks: int = Field(
+        default=1, ge=1,
+        description="Data-parallel ranks (DDP: each trains a shard of every batch, the gradients are summed). Above "
+        "1, `crl run` starts the trainer under torchrun (gloo on CPU, NCCL on CUDA); each rank uses `threads` "
+        "threads. See docs/training.md#data-parallel-trainers.")
+    rank_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="Data parallel: how long a rank waits for the others in one collective (joining, a step, the "
+        "next batch) before the trainer fails; rank 0 keeps idle ranks alive at a quarter of it.")
 
 
 DEFAULT_WARM_START_CACHE = Path.home() / ".cache" / "complementary-rl" / "warm-start"

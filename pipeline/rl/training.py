@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,13 +46,23 @@ from pipeline.models.tiny import build_tiny, tokenizer_corpus
 from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.rl.advantages import subgroup_advantages
 from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
-from pipeline.rl.update import Sample, StepResult, deterministic_torch, make_optimizer, policy_step
+from pipeline.rl.update import (
+    GradientGroup,
+    Sample,
+    StepResult,
+    deterministic_torch,
+    make_optimizer,
+    policy_step,
+)
 from pipeline.runtime.log import Log, events_to_end
 from schemas.base import Event, Producer, Role
 from schemas.extractions import ExtractionGenerated
 from schemas.topics import POLICY, TRAIN_STEPS
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
+
+if TYPE_CHECKING:
+    from pipeline.rl.data_parallel import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +76,22 @@ def checkpoints_root(run_dir: Path, role: Role) -> Path:
 
 def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:06d}"
+
+
+def versions_in(root: Path) -> list[int]:
+    """The version numbers of the checkpoint directories under `root`, ascending."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)))
+
+
+def replica_step(role: Role, settings: TrainerSettings, root: Path, temperature: float) -> TrainerStep:
+    """The `TrainerStep` a data-parallel rank above 0 trains with: the newest checkpoint rank 0 wrote (or resumed
+    from) under `root`, built exactly as `PolicyTrainer` builds it."""
+    versions = versions_in(root)
+    if not versions:
+        raise ConfigError(f"no {role} checkpoint under {root}: rank 0 writes version 0 before the other ranks start")
+    return TrainerStep.resumed(load_checkpoint(version_dir(root, versions[-1])), settings, temperature)
 
 
 def event_id_for(run_id: str, role: Role, version: int, what: str) -> uuid.UUID:
@@ -141,16 +167,17 @@ class TrainerStep:
         """The step that continues from a loaded checkpoint: its weights and its optimiser state."""
         return cls(loaded.policy, settings, temperature, loaded.optimizer_tensors, loaded.optimizer_param_groups)
 
-    def run(self, samples: Sequence[Sample], variant: str) -> StepResult:
+    def run(self, samples: Sequence[Sample], variant: str, group: GradientGroup | None = None) -> StepResult:
         """One update over `samples` with loss `variant` ("grpo" | "cispo"); with `model.precision` bfloat16 the
-        forward and backward passes run under CPU autocast (the weights, gradients and AdamW stay float32)."""
+        forward and backward passes run under CPU autocast (the weights, gradients and AdamW stay float32). With a
+        `group`, this rank trains its shard and the gradients are summed over the ranks (`policy_step`)."""
         s = self.settings
         with torch.autocast(self.policy.device.type, dtype=torch.bfloat16,
                             enabled=s.model.precision == "bfloat16"):
             return policy_step(self.policy, self.policy.model, self.optimizer, samples, variant=variant,
                                aggregation=s.aggregation, eps_low=s.eps_low, eps_high=s.eps_high,
                                temperature=self.temperature, micro_batch_size=s.micro_batch_size,
-                               max_grad_norm=s.max_grad_norm, norm_tokens=s.norm_tokens)
+                               max_grad_norm=s.max_grad_norm, norm_tokens=s.norm_tokens, group=group)
 
 
 @dataclass(eq=False)
@@ -169,6 +196,8 @@ class PolicyTrainer:
     warm_start: WarmStart | None = None
     temperature: float = 1.0
     """The sampling temperature of the role's generation section (recorded in every checkpoint)."""
+    parallel: DataParallel | None = None
+    """The data-parallel group this trainer is rank 0 of (`pipeline.rl.data_parallel`); None: one process."""
     update: TrainerStep = field(init=False)
     current: PolicyVersion = field(init=False)
 
@@ -178,9 +207,7 @@ class PolicyTrainer:
     # -- versions on disk -----------------------------------------------------------------------------------------
 
     def versions(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)))
+        return versions_in(self.root)
 
     @property
     def policy(self) -> TransformersPolicy:
@@ -262,8 +289,21 @@ class PolicyTrainer:
     def weight_hash(self) -> str:
         return weight_hash(self.policy.model)
 
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size if self.parallel is not None else 1
+
     def step(self, samples: Sequence[Sample], variant: str) -> StepResult:
-        return self.update.run(samples, variant)
+        """One update; data-parallel, every rank takes it and must end with the same weights."""
+        if self.parallel is None:
+            return self.update.run(samples, variant)
+        version = self.current.version + 1
+        return self.parallel.step(self.update, samples, variant, f"{self.role} version {version}")
+
+    def keep_alive(self) -> None:
+        """Between steps: tell the other ranks rank 0 is still there (nothing without a group)."""
+        if self.parallel is not None:
+            self.parallel.keep_alive()
 
     def save(self, train_step: TrainStepCompleted) -> PolicyVersion:
         """Write the checkpoint of `train_step.policy_version`; publish what it returns with `events_of`."""
@@ -277,7 +317,7 @@ class PolicyTrainer:
             event_id=event_id_for(self.run_id, self.role, version, "train-step"),
             run_id=self.run_id, producer=self.producer, role=self.role, policy_version=version,
             loss_variant="grpo" if self.role == "actor" else "cispo", aggregation=self.settings.aggregation,
-            **fields,
+            world_size=self.world_size, **fields,
         )
 
 

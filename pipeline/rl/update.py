@@ -8,15 +8,23 @@ history); for the extractor it is one generation.
 Reproducibility on CPU: `deterministic_torch(threads)` turns on deterministic algorithms and fixes the thread count
 (float reductions depend on it), and every step runs the same micro-batches in the same order; the weight hash after
 a step is then a pure function of the weights before it, the optimiser state and the batch.
+
+Data parallel (`pipeline.rl.data_parallel`): every rank holds the whole canonical batch and the same weights; the
+aggregation weights are computed over the whole batch, each rank runs only its shard (`shard_indices`: every
+`world_size`-th trained sample from its rank), and one all-reduce sums the gradients and the statistics before the
+clip and the optimiser step. Since the weights are the whole batch's, the summed gradient is the one-rank gradient up
+to float summation order, and every rank takes the same optimiser step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from pipeline.errors import InvalidArgumentError
 from pipeline.models.base import PolicyModel
 from pipeline.rl.losses import policy_loss, token_weights
 
@@ -51,6 +59,34 @@ class StepResult:
         return (self.clipped_low + self.clipped_high) / self.trained_tokens if self.trained_tokens else 0.0
 
 
+class GradientGroup(Protocol):
+    """The ranks one data-parallel step runs on (`pipeline.rl.data_parallel.DataParallel`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks, in place; a parameter no rank has a gradient for keeps
+        none (so AdamW skips it, as it would on one rank)."""
+        ...
+
+    def all_reduce_sums(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over the ranks."""
+        ...
+
+
+def shard_indices(count: int, rank: int, world_size: int) -> list[int]:
+    """The indices of a `count`-sample batch that rank `rank` of `world_size` trains: every `world_size`-th from
+    `rank` (0, N, 2N, ... on rank 0), so the shards are disjoint, their union is the batch and their sizes differ
+    by at most one."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank {rank} of world size {world_size}: need 0 <= rank < world_size")
+    return list(range(rank, count, world_size))
+
+
 def deterministic_torch(threads: int) -> None:
     """Deterministic kernels and a fixed thread count: the same step gives the same bits on the same machine."""
     torch.use_deterministic_algorithms(True)
@@ -73,32 +109,21 @@ def _padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int
     return out
 
 
-def policy_step(
-    policy: PolicyModel,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    samples: Sequence[Sample],
-    *,
-    variant: str,
-    aggregation: str,
-    eps_low: float,
-    eps_high: float,
-    temperature: float,
-    micro_batch_size: int,
-    max_grad_norm: float,
-    norm_tokens: int | None = None,
-) -> StepResult:
-    """Accumulate the loss of `samples` over micro-batches, clip the gradient norm, take one optimiser step.
-
-    The aggregation's weights are taken over every sample with tokens, those with a zero advantage included (they
-    carry no gradient and are not run through the model)."""
+def weighted_samples(samples: Sequence[Sample], aggregation: str, norm_tokens: int | None = None
+                     ) -> list[tuple[Sample, float]]:
+    """The samples that carry a gradient (tokens and a non-zero advantage), each with its aggregation weight; the
+    weights are taken over every sample with tokens, those with a zero advantage included."""
     samples = [s for s in samples if s.response_ids]
-    total_tokens = sum(len(s.response_ids) for s in samples)
     sequences = [s.sequence if s.sequence is not None else -1 - i for i, s in enumerate(samples)]
     weight_of = token_weights(aggregation, [len(s.response_ids) for s in samples], sequences, norm_tokens)
-    trained = [(s, w) for s, w in zip(samples, weight_of, strict=True) if s.advantage != 0.0]
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
+    return [(s, w) for s, w in zip(samples, weight_of, strict=True) if s.advantage != 0.0]
+
+
+def accumulate_gradients(policy: PolicyModel, trained: Sequence[tuple[Sample, float]], *, variant: str,
+                         aggregation: str, eps_low: float, eps_high: float, temperature: float,
+                         micro_batch_size: int) -> tuple[float, int, int]:
+    """Backward the weighted loss of `trained` in micro-batches, adding to the gradients already there; returns the
+    loss and the clipped-low / clipped-high token counts."""
     loss_sum, clipped_low, clipped_high = 0.0, 0, 0
     for start in range(0, len(trained), micro_batch_size):
         chunk = [s for s, _weight in trained[start : start + micro_batch_size]]
@@ -119,10 +144,50 @@ def policy_step(
         loss_sum += out.loss.item()
         clipped_low += out.clipped_low
         clipped_high += out.clipped_high
+    return loss_sum, clipped_low, clipped_high
+
+
+def policy_step(
+    policy: PolicyModel,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    *,
+    variant: str,
+    aggregation: str,
+    eps_low: float,
+    eps_high: float,
+    temperature: float,
+    micro_batch_size: int,
+    max_grad_norm: float,
+    norm_tokens: int | None = None,
+    group: GradientGroup | None = None,
+) -> StepResult:
+    """Accumulate the loss of `samples` over micro-batches, clip the gradient norm, take one optimiser step.
+
+    The aggregation's weights are taken over every sample with tokens, those with a zero advantage included (they
+    carry no gradient and are not run through the model). With a `group`, this rank runs only its shard of the
+    trained samples and the gradients and statistics are summed over the ranks before the clip; the returned result
+    is the whole batch's on every rank."""
+    samples = [s for s in samples if s.response_ids]
+    total_tokens = sum(len(s.response_ids) for s in samples)
+    sequences = [s.sequence if s.sequence is not None else -1 - i for i, s in enumerate(samples)]
+    trained = weighted_samples(samples, aggregation, norm_tokens)
+    mine = trained if group is None else [trained[i] for i in shard_indices(len(trained), group.rank,
+                                                                           group.world_size)]
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, clipped_low, clipped_high = accumulate_gradients(
+        policy, mine, variant=variant, aggregation=aggregation, eps_low=eps_low, eps_high=eps_high,
+        temperature=temperature, micro_batch_size=micro_batch_size)
     grad_norm = 0.0
+    # Over what the optimiser updates: a LoRA adapter's norm is its own, whatever the frozen base holds.
+    trainable = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+    if group is not None and trained:
+        group.all_reduce_gradients(trainable)
+        loss_sum, low, high = group.all_reduce_sums([loss_sum, float(clipped_low), float(clipped_high)])
+        clipped_low, clipped_high = round(low), round(high)
     if trained:
-        # Over what the optimiser updates: a LoRA adapter's norm is its own, whatever the frozen base holds.
-        trainable = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,8 @@ Everything here is derived from what the worker kinds declare (`pipeline.runtime
 the `crl.workers` registry, this repository's and any installed package's:
 
 - which arms need a kind (`arms`; the grpo arm has no experience bank, so no bank, extractor or extractor trainer);
-- how many processes (`instances`, the `launch` setting that counts them; one by default);
+- how many processes (`instances`, the `launch` setting that counts them; one by default), and how many
+  data-parallel ranks a trainer process runs as (`trainer_ranks`: its `ranks` setting; above 1 under torchrun);
 - the start order, consumers first: a kind starts after every kind that consumes a topic it produces, so nothing is
   published before its readers are up; the run's clock (the scheduler) starts last, and what it consumes (feedback
   from the others) orders nobody. For this repository's kinds that is archiver, bank, extractor trainer,
@@ -59,6 +60,25 @@ def instance_count(settings: Settings, kind: WorkerClass) -> int:
         raise ConfigError(f"worker kind {kind.name!r} counts its processes with launch.{kind.instances}, "
                           f"which is not a launch setting ({sorted(type(settings.launch).model_fields)})")
     return count
+
+
+def trainer_ranks(kind: WorkerClass, settings: Settings) -> int:
+    """How many data-parallel ranks `crl run` starts the kind as (its trainer settings' `ranks`; 1 for a kind that
+    does not train data-parallel)."""
+    trainer = kind.data_parallel(settings)
+    return 1 if trainer is None else int(trainer.ranks)
+
+
+def worker_command(kind: WorkerClass, settings: Settings, instance: str, run_config: Path) -> list[str]:
+    """The arguments after `python` that start one worker process of the run: `crl worker`, under torchrun with
+    one process per rank when the kind trains data-parallel on more than one rank (torchrun tears every rank down
+    when one fails, and its exit code says so)."""
+    command = ["-m", "pipeline.cli", "--config", str(run_config), "--log-level", "warning", "worker", kind.name,
+               "--instance", instance]
+    ranks = trainer_ranks(kind, settings)
+    if ranks > 1:
+        command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *command]
+    return command
 
 
 def worker_plan(settings: Settings, registry: Mapping[str, WorkerClass] | None = None) -> list[tuple[str, str]]:

@@ -12,7 +12,8 @@ What it does, in order:
 2. starts every worker kind of the `crl.workers` registry the arm needs as `crl worker` subprocesses, consumers
    first and the scheduler last (`pipeline.run.plan` derives the kinds, their order and their counts, such as
    `launch.rollout_workers`, from what each kind declares; the `grpo` arm has no bank, extractor or extractor
-   trainer), each in its own session so a terminal Ctrl-C reaches only this process, each with its log under
+   trainer; a trainer with `ranks` above 1 runs under torchrun as that many data-parallel ranks), each in its own
+   session so a terminal Ctrl-C reaches only this process, each with its log under
    `logs/` (pids in `workers.json`);
 3. follows every topic from offset 0 and shows the run live: step, success of guided and free episodes, evaluation,
    bank size (the op log applied with the bank's own rules), op mix, parse statuses, extractor reward, and per worker
@@ -62,7 +63,7 @@ from infra.kafka_cluster import ApacheKafkaCluster
 from infra.kafka_security import SecuredBus
 from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.errors import ConfigError, RunFailedError
-from pipeline.run.plan import planned_kinds, worker_plan
+from pipeline.run.plan import planned_kinds, worker_command, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
 from pipeline.run.restore import commit_group_positions, restore_log
@@ -297,10 +298,10 @@ class RunSupervisor:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         output = (logs / f"{worker.instance}.out").open("ab")
+        command = worker_command(self.kinds[worker.kind], self.settings, worker.instance, self.run_config.resolve())
         try:
             worker.process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "--config", str(self.run_config.resolve()), "--log-level",
-                 "warning", "worker", worker.kind, "--instance", worker.instance],
+                [sys.executable, *command],
                 env=self._environment(worker.kind), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )

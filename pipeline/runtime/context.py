@@ -74,6 +74,9 @@ class WorkerContext:
     """The log beyond the worker's inputs: what it follows and reads to the end."""
     follows: tuple[Topic, ...] = ()
     """The topics the worker declared it follows; `follow` refuses others."""
+    parallel: Any = None
+    """The data-parallel group (`pipeline.rl.data_parallel.DataParallel`) this worker is rank 0 of, when it was
+    started under torchrun; None otherwise."""
     _engine: Engine | None = field(default=None, repr=False)
     _followers: list[Follower] = field(default_factory=list, repr=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from importlib.metadata import entry_points
+from typing import Any
 
 from infra.admin import unowned_partitions
 from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
@@ -62,13 +63,15 @@ def group_watch(kafka: KafkaSettings, group_id: str, instance: str, topics: list
 
 
 def build_runner(
-    worker_class: WorkerClass, settings: RuntimeSettings, *, instance: str | None = None, limits: Limits = Limits()
+    worker_class: WorkerClass, settings: RuntimeSettings, *, instance: str | None = None, limits: Limits = Limits(),
+    parallel: Any = None,
 ) -> WorkerRunner:
-    """Build the worker and connect it to Kafka: group or assign mode as it declares, producer for its outputs."""
+    """Build the worker and connect it to Kafka: group or assign mode as it declares, producer for its outputs.
+    `parallel`: the data-parallel group (`pipeline.rl.data_parallel.DataParallel`) the worker is rank 0 of."""
     kafka = resolve_kafka(settings)
     instance = instance or default_instance(worker_class.name)
     log = KafkaLog(kafka, client_id=instance)
-    context = WorkerContext(settings, instance, log, follows=worker_class.follows)
+    context = WorkerContext(settings, instance, log, follows=worker_class.follows, parallel=parallel)
     worker = worker_class.build(context)
     input_log: InputLog | None = None
     output_log = KafkaOutput(make_producer(kafka, client_id=instance))

@@ -76,3 +76,22 @@ def test_changed_advantages_are_caught_before_the_update(recorded_run, tmp_path)
     _archive(copy, changed)
     report = replay_training(copy, "actor")
     assert report.problem is not None and report.problem.startswith("step 1 (version 1): recomputed advantages")
+
+
+def test_a_step_of_more_ranks_than_the_replay_may_start_is_reported_as_not_replayable(recorded_run, tmp_path):
+    """Version 2 recorded as taken by two data-parallel ranks; with --max-ranks 1 the replay says it cannot reproduce
+    it (exit 2), after checking version 1, and reports no mismatch."""
+    _run_dir, events = recorded_run
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    _archive(copy, [e.model_copy(update={"world_size": 2}) if e.kind == "TrainStepCompleted"
+                    and e.policy_version == 2 else e for e in events])
+    report = replay_training(copy, "actor", max_ranks=1)
+    assert [(c.version, c.ok, c.world_size) for c in report.checks] == [(1, True, 1)]
+    assert report.unavailable == report.problem == (
+        "step 2 (version 2) was taken by 2 data-parallel ranks; this replay may start at most 1 (--max-ranks), so it "
+        "cannot reproduce the step's summation order")
+    result = CliRunner().invoke(app, ["replay", "train", str(copy), "--role", "actor", "--max-ranks", "1"])
+    assert result.exit_code == 2, result.output
+    assert "cannot replay here after 1 matching steps" in result.output
+    assert "weight hash after" not in result.output

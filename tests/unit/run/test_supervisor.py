@@ -14,11 +14,13 @@ from rich.console import Console
 
 from pipeline.actor.settings import SchedulerSettings
 from pipeline.errors import ConfigError
-from pipeline.run.plan import check_run_dir, start_order, worker_plan
+from pipeline.rl.settings import ActorTrainerSettings
+from pipeline.run.plan import check_run_dir, start_order, worker_command, worker_plan
 from pipeline.run.processes import last_metrics
 from pipeline.run.progress import RunProgress
 from pipeline.run.security import worker_bus
 from pipeline.run.supervisor import RunSupervisor
+from pipeline.runtime.launch import load_worker_registry
 from pipeline.runtime.runner import Worker
 from pipeline.settings import LaunchSettings, Settings
 from schemas.arrays import EmbeddingVector
@@ -66,6 +68,21 @@ def test_the_plan_follows_what_each_kind_declares(tmp_path):
     assert worker_plan(_settings(tmp_path, "grpo", rollout_workers=2), registry) == [
         ("auditor", "auditor-0"), ("scorer", "scorer-0"), ("player", "player-0"), ("player", "player-1"),
         ("clock", "clock-0")]
+
+
+def test_a_trainer_with_several_ranks_starts_under_torchrun(tmp_path):
+    registry = load_worker_registry()
+    config = tmp_path / "run" / "config.yaml"
+    settings = _settings(tmp_path).model_copy(update={"actor_trainer": ActorTrainerSettings(ranks=3)})
+    worker = ["-m", "pipeline.cli", "--config", str(config), "--log-level", "warning", "worker"]
+    assert worker_command(registry["actor_trainer"], settings, "actor_trainer-0", config) == [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", *worker, "actor_trainer",
+        "--instance", "actor_trainer-0"]
+    # extractor_trainer.ranks is 1 by default, and a kind that does not train has no ranks at all
+    assert worker_command(registry["extractor_trainer"], settings, "extractor_trainer-0", config) == [
+        *worker, "extractor_trainer", "--instance", "extractor_trainer-0"]
+    assert worker_command(registry["rollout"], settings, "rollout-1", config) == [*worker, "rollout", "--instance",
+                                                                                   "rollout-1"]
 
 
 def test_a_plan_that_cannot_be_ordered_names_the_problem(tmp_path):

@@ -365,6 +365,16 @@ def test_train_step_metrics_and_loss_must_be_finite() -> None:
     assert excinfo.value.errors()[0]["loc"] == ("loss",)
 
 
+def test_a_train_step_written_before_world_size_decodes_as_one_rank() -> None:
+    payload = wire_payload("TrainStepCompleted")
+    del payload["world_size"]  # what a trainer wrote before data-parallel training existed
+    event = decode(topic_of(EXAMPLES["TrainStepCompleted"]), json.dumps(payload).encode())
+    assert event.world_size == 1 and event.schema_version == 1  # type: ignore[attr-defined]
+    assert rebuilt("TrainStepCompleted", world_size=4).world_size == 4  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        rebuilt("TrainStepCompleted", world_size=0)
+
+
 @pytest.mark.parametrize(
     ("kind", "field", "value"),
     [
