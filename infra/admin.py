@@ -158,16 +158,16 @@ def _wait_for_metadata(admin: KafkaAdminClient, names: list[str], timeout_s: flo
 
 
 def unowned_partitions(admin: KafkaAdminClient, group_id: str, topics: Iterable[str]) -> set[tuple[str, int]]:
-    """The partitions of `topics` that no member of consumer group `group_id` holds, as its coordinator says; empty
-    while the group is not stable (a rebalance under way assigns them)."""
+    """The partitions of `topics` that no member of consumer group `group_id` holds, as its coordinator says. While
+    the group is not stable (a rebalance waiting for its members to join) no member holds any: all of them."""
     group = admin.describe_groups([group_id])[group_id]
+    counts = existing_partition_counts(admin)
+    every = {(topic, partition) for topic in topics for partition in range(counts.get(topic, 0))}
     if group["group_state"] != "Stable":
-        return set()
+        return every
     held = {(assigned["topic"], partition) for member in group["members"]
             for assigned in (member.get("member_assignment") or {}).get("assigned_partitions", [])
             for partition in assigned["partitions"]}
-    counts = existing_partition_counts(admin)
-    every = {(topic, partition) for topic in topics for partition in range(counts.get(topic, 0))}
     return every - held
 
 

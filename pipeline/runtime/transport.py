@@ -142,12 +142,13 @@ def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Pos
 class GroupWatch:
     """How a group member finds out it was left with nothing while its group's partitions wait, and starts afresh.
 
-    kafka-python has been seen to keep a member in a stable generation with no partitions after a broker restart
-    (one that joined before it knew the topics' partitions): nothing makes it rejoin, and the partitions it should
-    hold belong to nobody, so their records wait for ever. A member that has held no partition for `stuck_after_s`
-    asks the group coordinator (`unowned`) which partitions of its topics no member holds; if any, it closes its
+    kafka-python has been seen to keep a member with no partitions after a broker restart: in a stable generation
+    (one that joined before it knew the topics' partitions), or with its partitions revoked for a rebalance it never
+    rejoins, the group waiting for it. Either way the partitions it should hold belong to nobody, so their records
+    wait for ever. A member that has held no partition for `stuck_after_s` asks the group coordinator (`unowned`)
+    which partitions of its topics no member holds (all of them while the group rebalances); if any, it closes its
     consumer and joins again with a new one (`new_consumer`). A member with nothing because the others hold every
-    partition (more members than partitions) is left alone."""
+    partition (more members than partitions) is left alone; a rebalance longer than `stuck_after_s` costs one more."""
 
     new_consumer: Callable[[], KafkaConsumer]
     unowned: Callable[[], set[Position]]
@@ -227,7 +228,8 @@ class KafkaGroupInput:
                     "member (%s): recreating its consumer", now - self._empty_since, len(unowned),
                     ", ".join(f"{t}[{p}]" for t, p in sorted(unowned)[:8]))
         stuck, self.consumer = self.consumer, self.watch.new_consumer()
-        stuck.close(autocommit=False)  # it holds nothing: nothing to commit
+        # It holds nothing, so there is nothing to commit; leaving the group lets a waiting rebalance go on at once.
+        stuck.close(autocommit=False, timeout_ms=5000)
         self._subscribe(self.consumer)
         self.recreated += 1
         self._empty_since = now
