@@ -157,15 +157,18 @@ def _wait_for_metadata(admin: KafkaAdminClient, names: list[str], timeout_s: flo
     raise TopicMismatchError(f"topics {names} did not appear in metadata within {timeout_s:.0f}s")
 
 
-def unowned_partitions(admin: KafkaAdminClient, group_id: str, topics: Iterable[str]) -> set[tuple[str, int]]:
+def unowned_partitions(admin: KafkaAdminClient, group_id: str, topics: Iterable[str],
+                       asking_client: str | None = None) -> set[tuple[str, int]]:
     """The partitions of `topics` that no member of consumer group `group_id` holds, as its coordinator says. While
-    the group is not stable (a rebalance waiting for its members to join) no member holds any: all of them."""
+    the group is not stable (a rebalance waiting for its members to join) no member holds any: all of them. What the
+    coordinator assigns to members of client id `asking_client` counts as not held: the asker holds nothing, so an
+    assignment it never took up is waiting too."""
     group = admin.describe_groups([group_id])[group_id]
     counts = existing_partition_counts(admin)
     every = {(topic, partition) for topic in topics for partition in range(counts.get(topic, 0))}
     if group["group_state"] != "Stable":
         return every
-    held = {(assigned["topic"], partition) for member in group["members"]
+    held = {(assigned["topic"], partition) for member in group["members"] if member.get("client_id") != asking_client
             for assigned in (member.get("member_assignment") or {}).get("assigned_partitions", [])
             for partition in assigned["partitions"]}
     return every - held

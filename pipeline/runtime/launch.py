@@ -55,7 +55,7 @@ def group_watch(kafka: KafkaSettings, group_id: str, instance: str, topics: list
     def unowned() -> set[tuple[str, int]]:
         admin = make_admin(kafka, client_id=f"{instance}-watch")
         try:
-            return unowned_partitions(admin, group_id, topics)
+            return unowned_partitions(admin, group_id, topics, asking_client=instance)
         finally:
             admin.close()
 

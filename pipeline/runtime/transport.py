@@ -146,8 +146,9 @@ class GroupWatch:
     (one that joined before it knew the topics' partitions), or with its partitions revoked for a rebalance it never
     rejoins, the group waiting for it. Either way the partitions it should hold belong to nobody, so their records
     wait for ever. A member that has held no partition for `stuck_after_s` asks the group coordinator (`unowned`)
-    which partitions of its topics no member holds (all of them while the group rebalances); if any, it closes its
-    consumer and joins again with a new one (`new_consumer`). A member with nothing because the others hold every
+    which partitions of its topics no member holds (all of them while the group rebalances, and those the
+    coordinator gave this member but it never took up); if any, it closes its consumer and joins again with a new one
+    (`new_consumer`). A member with nothing because the others hold every
     partition (more members than partitions) is left alone; a rebalance longer than `stuck_after_s` costs one more."""
 
     new_consumer: Callable[[], KafkaConsumer]

@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.apache_kafka]
 STUCK_AFTER_S = 3.0
 
 
-def _input(kafka: KafkaSettings, group: str, topic: str, watched: bool) -> KafkaGroupInput:
-    watch = group_watch(kafka, group, f"{group}-member", [topic], stuck_after_s=STUCK_AFTER_S) if watched else None
-    return KafkaGroupInput(make_consumer(kafka, group_id=group, client_id=f"{group}-member"), [topic], {},
-                           watch=watch)
+def _input(kafka: KafkaSettings, group: str, topic: str, watched: bool, member: str = "member-0") -> KafkaGroupInput:
+    """A group input whose consumer's client id is `member`, as a worker's is its instance name."""
+    watch = group_watch(kafka, group, member, [topic], stuck_after_s=STUCK_AFTER_S) if watched else None
+    return KafkaGroupInput(make_consumer(kafka, group_id=group, client_id=member), [topic], {}, watch=watch)
 
 
 def _poll_for(inputs: list[KafkaGroupInput], seconds: float) -> list[int]:
@@ -80,7 +80,7 @@ def test_a_member_with_nothing_because_another_holds_every_partition_is_left_alo
     first = _input(kafka, group, topic, watched=True)
     try:
         _poll_for([first], 2.0)
-        second = _input(kafka, group, topic, watched=True)
+        second = _input(kafka, group, topic, watched=True, member="member-1")
         try:
             _poll_for([first, second], 3 * STUCK_AFTER_S + 6)
             held = [len(first.consumer.assignment()), len(second.consumer.assignment())]
