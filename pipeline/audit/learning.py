@@ -75,21 +75,29 @@ class RunOutcomes:
                 if s == step and p == pool}
 
 
+RUN_CONFIG_SQL = "SELECT run_id, config FROM run_started ORDER BY occurred_at LIMIT 1"
+"""The run's id and configuration (its arm: `scheduler.variant`, else `scheduler.arm`)."""
+EVAL_OUTCOMES_SQL = ("SELECT step, env_id, group_id, seed, guided, success FROM trajectories WHERE split = 'eval' "
+                     "ORDER BY step, group_id, slot")
+"""Every eval episode's outcome; the pool is the group id's last part (`t<i>` unseen, `r<i>` recurring)."""
+TRAIN_OUTCOMES_SQL = ("SELECT step, group_id, guided, success, num_actions FROM trajectories WHERE split = 'train' "
+                      "ORDER BY step, group_id, slot")
+"""Every train episode's outcome and actions, grouped by (step, group id) into `TrainGroup`s."""
+
+
 def load_outcomes(run_dir: Path) -> RunOutcomes:
-    """Read a run's eval outcomes per task and its train groups from its archive."""
+    """Read a run's eval outcomes per task and its train groups from its archive (`RUN_CONFIG_SQL`,
+    `EVAL_OUTCOMES_SQL` and `TRAIN_OUTCOMES_SQL`, which `crl report` prints under the figures they feed)."""
     with Audit(run_dir) as audit:
-        started = audit.query("SELECT run_id, config FROM run_started ORDER BY occurred_at LIMIT 1")[1]
+        started = audit.query(RUN_CONFIG_SQL)[1]
         evals: dict[EvalKey, dict[bool, list[bool]]] = {}
-        rows = audit.query("SELECT step, env_id, group_id, seed, guided, success FROM trajectories "
-                           "WHERE split = 'eval' ORDER BY step, group_id, slot")[1]
+        rows = audit.query(EVAL_OUTCOMES_SQL)[1]
         for step, env_id, group_id, seed, guided, success in rows:
             pool = group_id.rsplit("-", 1)[1][0]  # eval-s<step>-<env>-t<i> | -r<i>
             key = (int(step), str(env_id), pool, int(seed))
             evals.setdefault(key, {True: [], False: []})[bool(guided)].append(bool(success))
         groups: dict[tuple[int, str], tuple[list[bool], list[bool], list[int]]] = {}
-        for step, group_id, guided, success, actions in audit.query(
-                "SELECT step, group_id, guided, success, num_actions FROM trajectories WHERE split = 'train' "
-                "ORDER BY step, group_id, slot")[1]:
+        for step, group_id, guided, success, actions in audit.query(TRAIN_OUTCOMES_SQL)[1]:
             entry = groups.setdefault((int(step), str(group_id)), ([], [], []))
             entry[0 if guided else 1].append(bool(success))
             entry[2].append(int(actions))

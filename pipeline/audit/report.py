@@ -27,13 +27,19 @@ Figures (PNG, drawn with matplotlib's Agg canvas, no display needed):
 - `retrieval.png`: per step, the fraction of guided train episodes that were served an experience, and how many
   distinct experiences the train episodes were served.
 A series without data (a grpo run has no ops and no extractor steps) leaves its axis empty with "no data".
+
+Under the table of arms and under each figure, a `<details>` block gives the `crl audit sql RUN_DIR "..."` commands
+(one per query and run) that print the numbers it shows, and says what is done with them: `FIGURE_SOURCES` and
+`ARM_TABLE_SOURCE`. `load_run` and `pipeline.audit.learning.load_outcomes` read the archive with these very statements,
+so the page and the figures cannot disagree. After it has loaded, the page marks each figure `data-loaded="true"` or
+`"false"` and the table of arms with its row count (`data-rows`), which a headless browser reads back from the DOM.
 """
 
 from __future__ import annotations
 
 import html
 import itertools
-from collections import defaultdict
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +51,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.audit.learning import (
+    EVAL_OUTCOMES_SQL,
     ROW_COLUMNS,
+    RUN_CONFIG_SQL,
+    TRAIN_OUTCOMES_SQL,
     ArmRow,
     RunOutcomes,
     TrainGroup,
@@ -57,7 +66,6 @@ from pipeline.audit.learning import (
 from pipeline.audit.stats import Estimate
 from pipeline.audit.views import Audit
 from pipeline.errors import ConfigError, InvalidArgumentError
-from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 Series = dict[int, float]
 """step -> value, only the steps that have a value."""
@@ -148,6 +156,94 @@ class Report:
     """Evaluation success per arm, eval pool and slot kind, pooled over the runs of the arm."""
 
 
+# -- the queries behind the figures -----------------------------------------------------------------------------------
+# Each figure's numbers are the rows of these statements, read by `load_run` and printed on the page under the figure
+# as the `crl audit sql` command that gives them; so they contain no `?` placeholders and nothing a shell would expand
+# inside double quotes.
+
+SUCCESS_SQL = ("SELECT split, guided, step, avg(success::INTEGER) AS success_rate FROM trajectories "
+               "GROUP BY ALL ORDER BY ALL")
+"""success.png: success rate per split, slot kind and step."""
+ACTIONS_SQL = (
+    "SELECT step, avg(num_actions) FILTER (WHERE success) AS actions_per_solved, "
+    "sum(invalid_actions) / nullif(sum(num_actions), 0) AS invalid_rate FROM trajectories WHERE split = 'train' "
+    "GROUP BY step ORDER BY step"
+)
+"""actions.png: mean actions of the solved train episodes and invalid actions / actions, per step."""
+BANK_SQL = (
+    # One row per applied change: an add or merge makes an experience (+1), a refine changes none, a retirement
+    # removes one (-1; a merge's sources are retired by the merge op itself, so only the other retiring ops count as
+    # "retired"). Steps run from the first op's to the last train step.
+    "WITH applied AS ("
+    "SELECT ops.step, CASE history.op_kind WHEN 'ExperienceMerged' THEN 'merged' ELSE 'added' END AS kind, "
+    "1 AS size_change FROM experience_history AS history JOIN experience_ops AS ops USING (op_offset) "
+    "WHERE history.version = 1 "
+    "UNION ALL SELECT ops.step, 'refined', 0 FROM experience_history AS history "
+    "JOIN experience_ops AS ops USING (op_offset) WHERE history.op_kind = 'ExperienceRefined' "
+    "UNION ALL SELECT ops.step, NULL, -1 FROM experiences "
+    "JOIN experience_ops AS ops ON ops.op_offset = experiences.retired_offset "
+    "UNION ALL SELECT ops.step, 'retired', 0 FROM (SELECT DISTINCT retired_offset FROM experiences "
+    "WHERE retired_offset IS NOT NULL AND retired_reason IS DISTINCT FROM 'merged') AS retirement "
+    "JOIN experience_ops AS ops ON ops.op_offset = retirement.retired_offset"
+    "), steps AS (SELECT unnest(range(min(step), greatest(max(step), "
+    "coalesce((SELECT max(step) FROM trajectories WHERE split = 'train'), 0)) + 1)) AS step FROM applied) "
+    "SELECT steps.step, sum(coalesce(sum(applied.size_change), 0)) OVER (ORDER BY steps.step) AS bank_size, "
+    + ", ".join(f"count(*) FILTER (WHERE applied.kind = '{kind}') AS {kind}" for kind in OP_KINDS)
+    + " FROM steps LEFT JOIN applied ON applied.step = steps.step GROUP BY steps.step ORDER BY steps.step"
+)
+"""bank.png: active experiences after each step and the applied ops per step by kind (the replayed experience
+views; `experience_ops` gives each op's step)."""
+EXTRACTOR_SQL = ("SELECT step, avg(reward_mean) AS reward_mean, avg(clip_fraction) AS clip_fraction FROM train_steps "
+                 "WHERE role = 'extractor' GROUP BY step ORDER BY step")
+"""extractor.png, left and middle: reward mean and clip fraction per extractor train step."""
+PARSE_STATUS_SQL = ("SELECT step, parse_status, count(*) AS generations FROM extraction_generated "
+                    "WHERE step IS NOT NULL GROUP BY ALL ORDER BY ALL")
+"""extractor.png, right: generations per actor step by parse status."""
+RETRIEVAL_SQL = (
+    "SELECT step, avg((json_array_length(served) > 0)::INTEGER) AS served_fraction, "
+    "length(list_distinct(flatten(list(served::VARCHAR[])))) AS distinct_served FROM trajectories "
+    "WHERE split = 'train' AND guided GROUP BY step ORDER BY step"
+)
+"""retrieval.png: per step, the fraction of guided train episodes served an experience and the distinct experiences
+they were served."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the numbers of a figure or a table come from: the statements `crl report` runs (each runs as printed
+    through `crl audit sql`) and what is done with their rows."""
+
+    queries: tuple[str, ...]
+    computed: str
+
+
+_PLOTTED = "Plotted as the query returns them, one line per run"
+FIGURE_SOURCES: dict[str, Source] = {
+    "learning": Source(
+        (RUN_CONFIG_SQL, TRAIN_OUTCOMES_SQL, EVAL_OUTCOMES_SQL),
+        "Runs pooled per arm (scheduler.variant, else scheduler.arm, of the run's config). Left: "
+        "pipeline.audit.learning.success_curve groups the train episodes by step and group id, puts each step at the "
+        "environment steps played up to its end (mean over runs) and bootstraps its success over runs, then groups "
+        "(1000 resamples). Right: the before and after columns of the table of arms (pipeline.audit.learning."
+        "arm_table)."),
+    "success": Source((SUCCESS_SQL,), f"{_PLOTTED}, split and slot kind (guided true or false)."),
+    "actions": Source((ACTIONS_SQL,), f"{_PLOTTED} and column."),
+    "bank": Source((BANK_SQL,), f"{_PLOTTED} and column: bank_size on the left, the four op kinds on the right."),
+    "extractor": Source((EXTRACTOR_SQL, PARSE_STATUS_SQL),
+                        f"{_PLOTTED}: reward_mean and clip_fraction from the first query, generations by parse "
+                        "status from the second (a status missing at a step is 0)."),
+    "retrieval": Source((RETRIEVAL_SQL,), f"{_PLOTTED} and column."),
+}
+"""Per figure of the page, where its numbers come from; `load_run` and `load_outcomes` read them with these very
+statements."""
+ARM_TABLE_SOURCE = Source(
+    (RUN_CONFIG_SQL, EVAL_OUTCOMES_SQL),
+    "pipeline.audit.learning.arm_table pools the runs of each arm (scheduler.variant, else scheduler.arm) and, per "
+    "eval pool (the group id's last part: t unseen, r recurring) and slot kind, bootstraps success at the first and "
+    "the last evaluation, their difference paired per task and guided minus free at the last, over runs and then "
+    "tasks (2000 resamples, 95% percentile intervals).")
+
+
 # -- reading a run ----------------------------------------------------------------------------------------------------
 
 
@@ -173,57 +269,12 @@ def _run_identity(audit: Audit, run_dir: Path) -> tuple[str, str, str, str]:
     return run_id, arm or UNKNOWN, code_version or UNKNOWN, finished[0][0] if finished else "unfinished"
 
 
-def _op_steps(audit: Audit) -> dict[int, int]:
-    """Offset -> step of every record of the replayed op log (the log the experience views replay)."""
-    # The records, not the `events` view (which keeps one record per event_id), like the replay reads them.
-    pattern = str(audit.root / EXPERIENCE_OPS_TOPIC.name / "*.parquet").replace("'", "''")
-    records = _rows(
-        audit,
-        "SELECT op.\"offset\", generated.step FROM ("
-        "SELECT \"offset\", any_value(payload)::JSON ->> '$.generation_id' AS generation_id "
-        f"FROM read_parquet('{pattern}', union_by_name = true) WHERE log_id = ? GROUP BY \"offset\""
-        ") AS op LEFT JOIN ("
-        "SELECT generation_id, min(step) AS step FROM extraction_generated GROUP BY generation_id"
-        ") AS generated ON generated.generation_id = op.generation_id ORDER BY op.\"offset\"",
-        [audit.op_log_id],
-    )
-    steps, current = {}, 0
-    for offset, step in records:
-        current = current if step is None else int(step)
-        steps[int(offset)] = current
-    return steps
-
-
-def _bank_curves(audit: Audit, last_step: int | None) -> tuple[Series, dict[str, Series], int]:
-    """(bank size after each step, applied ops per step by kind, final bank size)."""
-    if audit.op_log_id is None:
-        return {}, {kind: {} for kind in OP_KINDS}, 0
-    step_of = _op_steps(audit)
-    ops: dict[str, dict[int, int]] = {kind: defaultdict(int) for kind in OP_KINDS}
-    delta: dict[int, int] = defaultdict(int)
-    created = _rows(audit, "SELECT op_offset, op_kind FROM experience_history WHERE version = 1")
-    for offset, op_kind in created:
-        step = step_of[offset]
-        ops["merged" if op_kind == "ExperienceMerged" else "added"][step] += 1
-        delta[step] += 1
-    for (offset,) in _rows(audit, "SELECT op_offset FROM experience_history WHERE op_kind = 'ExperienceRefined'"):
-        ops["refined"][step_of[offset]] += 1
-    retired = _rows(audit, "SELECT retired_offset, retired_reason FROM experiences WHERE retired_offset IS NOT NULL")
-    for offset, _ in retired:
-        delta[step_of[offset]] -= 1
-    # A merge's sources are retired by the merge op itself (counted as "merged"); the rest are ExperienceRetired ops.
-    for offset in {offset for offset, reason in retired if reason != "merged"}:
-        ops["retired"][step_of[offset]] += 1
-    op_steps = set(delta).union(*(series.keys() for series in ops.values()))
-    if not op_steps:
-        return {}, {kind: {} for kind in OP_KINDS}, 0
-    first, last = min(op_steps), max(max(op_steps), last_step if last_step is not None else 0)
-    size, sizes = 0, {}
-    for step in range(first, last + 1):
-        size += delta.get(step, 0)
-        sizes[step] = float(size)
-    mix = {kind: {step: float(ops[kind].get(step, 0)) for step in sizes} for kind in OP_KINDS}
-    return sizes, mix, size
+def _bank_curves(audit: Audit) -> tuple[Series, dict[str, Series], int]:
+    """(bank size after each step, applied ops per step by kind, final bank size), from `BANK_SQL`."""
+    rows = _rows(audit, BANK_SQL)
+    sizes = {int(step): float(size) for step, size, *_ in rows}
+    ops = {kind: {int(row[0]): float(row[2 + index]) for row in rows} for index, kind in enumerate(OP_KINDS)}
+    return sizes, ops, int(rows[-1][1]) if rows else 0
 
 
 def load_run(run_dir: Path) -> RunData:
@@ -232,38 +283,24 @@ def load_run(run_dir: Path) -> RunData:
         raise ConfigError(f"no run directory at {run_dir}")
     with Audit(run_dir) as audit:
         run_id, arm, code_version, status = _run_identity(audit, run_dir)
-        success: dict[str, Series] = {}
-        for split in ("train", "eval"):
-            for guided, name in ((True, "guided"), (False, "free")):
-                success[f"{split} {name}"] = _series(_rows(
-                    audit, "SELECT step, avg(success::INTEGER) FROM trajectories WHERE split = ? AND guided = ? "
-                           "GROUP BY step ORDER BY step", [split, guided]))
-        actions_per_solved = _series(_rows(
-            audit, "SELECT step, avg(num_actions) FILTER (WHERE success) FROM trajectories WHERE split = 'train' "
-                   "GROUP BY step ORDER BY step"))
-        invalid_rate = _series(_rows(
-            audit, "SELECT step, sum(invalid_actions) / nullif(sum(num_actions), 0) FROM trajectories "
-                   "WHERE split = 'train' GROUP BY step ORDER BY step"))
-        served_fraction = _series(_rows(
-            audit, "SELECT step, avg((json_array_length(served) > 0)::INTEGER) FROM trajectories "
-                   "WHERE split = 'train' AND guided GROUP BY step ORDER BY step"))
-        distinct_served = _series(_rows(
-            audit, "SELECT step, count(DISTINCT experience_id) FROM ("
-                   "SELECT step, unnest(from_json(served, '[\"VARCHAR\"]')) AS experience_id FROM trajectories "
-                   "WHERE split = 'train' AND guided) GROUP BY step ORDER BY step"))
-        for step in served_fraction:
-            distinct_served.setdefault(step, 0.0)  # guided episodes that were served nothing
-        distinct_served = dict(sorted(distinct_served.items()))
-        extractor = _rows(audit, "SELECT step, avg(reward_mean), avg(clip_fraction) FROM train_steps "
-                                 "WHERE role = 'extractor' GROUP BY step ORDER BY step")
-        parse_rows = _rows(audit, "SELECT step, parse_status, count(*) FROM extraction_generated "
-                                  "WHERE step IS NOT NULL GROUP BY ALL ORDER BY ALL")
+        success: dict[str, Series] = {f"{split} {name}": {} for split in ("train", "eval")
+                                      for name in ("guided", "free")}
+        for split, guided, step, rate in _rows(audit, SUCCESS_SQL):
+            if rate is not None:
+                success[f"{split} {'guided' if guided else 'free'}"][int(step)] = float(rate)
+        actions = _rows(audit, ACTIONS_SQL)
+        actions_per_solved = _series([(step, solved) for step, solved, _ in actions])
+        invalid_rate = _series([(step, invalid) for step, _, invalid in actions])
+        retrieval = _rows(audit, RETRIEVAL_SQL)
+        served_fraction = _series([(step, fraction) for step, fraction, _ in retrieval])
+        distinct_served = _series([(step, distinct) for step, _, distinct in retrieval])
+        extractor = _rows(audit, EXTRACTOR_SQL)
+        parse_rows = _rows(audit, PARSE_STATUS_SQL)
         parse_steps = sorted({step for step, _, _ in parse_rows})
         parse_status = {name: dict.fromkeys(parse_steps, 0.0) for name in PARSE_STATUSES}
         for step, generation_status, count in parse_rows:
             parse_status[generation_status][step] = float(count)
-        last_train_step = max(success["train guided"].keys() | success["train free"].keys(), default=None)
-        bank_size, ops, final_bank = _bank_curves(audit, last_train_step)
+        bank_size, ops, final_bank = _bank_curves(audit)
 
         eval_step = _rows(audit, "SELECT max(step) FROM trajectories WHERE split = 'eval'")[0][0]
         final_eval = {name: success[f"eval {name}"].get(eval_step) for name in ("guided", "free")}
@@ -463,7 +500,18 @@ _COLUMNS = ("run id", "arm", "code version", "status", "steps", "eval success gu
 _FAMILY_COLUMNS = ("run id", "task family", "eval success guided", "eval success free", "train success guided",
                    "train success free", "engine failures")
 _STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-          "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}")
+          "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}"
+          "details.source{margin:0.5em 0 1.5em}details.source pre{white-space:pre-wrap;background:#f4f4f4;"
+          "padding:0.5em}")
+# After the page has loaded, each figure says whether it loaded (`data-loaded`) and the table of arms how many rows
+# it shows (`data-rows`): what a reader's browser shows, readable from the DOM by a headless one.
+_LOAD_CHECK = (
+    "<script>window.addEventListener('load',function(){"
+    "for(const image of document.images){image.dataset.loaded=String(image.complete&&image.naturalWidth>0);}"
+    "const arms=document.getElementById('arm-table');"
+    "if(arms){arms.dataset.rows=String(arms.tBodies[0].rows.length);}"
+    "document.body.dataset.checked='true';});</script>"
+)
 
 
 def _rate(value: float | None) -> str:
@@ -487,21 +535,47 @@ def summary_line(summary: RunSummary) -> str:
             f"{summary.actor_train_steps} extractor {summary.extractor_train_steps}")
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], table_id: str | None = None) -> str:
     header = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table>\n<tr>{header}</tr>\n{body}\n</table>\n"
+    opening = f"<table id=\"{html.escape(table_id)}\">" if table_id else "<table>"
+    return f"{opening}\n<thead><tr>{header}</tr></thead>\n<tbody>{body}</tbody>\n</table>\n"
+
+
+def _shell_word(text: str) -> str:
+    """`text` as one shell word: in double quotes where nothing in it expands there, else as `shlex.quote` gives."""
+    if text and not any(character in text for character in "\"$`\\!"):
+        return f"\"{text}\""
+    return shlex.quote(text)
+
+
+def audit_command(run_dir: Path, sql: str) -> str:
+    """The command line that runs `sql` over the archive of `run_dir`."""
+    return f"crl audit sql {shlex.quote(str(run_dir))} {_shell_word(sql)}"
+
+
+def _source_block(name: str, source: Source, run_dirs: Sequence[Path]) -> str:
+    """A `<details>` block with the commands that print the numbers of a figure or a table, one per query and run."""
+    commands = "\n".join(audit_command(run_dir, sql) for sql in source.queries for run_dir in run_dirs)
+    queries = f"{len(source.queries)} quer{'y' if len(source.queries) == 1 else 'ies'}"
+    return (f"<details class=\"source\" id=\"source-{html.escape(name)}\"><summary>Where the numbers come from: "
+            f"{queries} (<code>crl audit sql</code>)</summary>\n<p>{html.escape(source.computed)}</p>\n"
+            f"<pre>{html.escape(commands)}</pre>\n</details>\n")
 
 
 def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = ()) -> str:
     """The page: title, one table row per arm (evaluation success pooled over its runs, with 95% intervals), one
-    per run, then the figures (referenced by file name, next to the page)."""
+    per run, then the figures (referenced by file name, next to the page). Under the table of arms and under each
+    figure, the `crl audit sql` commands that print the numbers it shows (`ARM_TABLE_SOURCE`, `FIGURE_SOURCES`)."""
     title = "crl report: " + ", ".join(f"{run.run_id} ({run.arm})" for run in runs)
+    run_dirs = [run.run_dir for run in runs]
     arm_section = ("<h2>Evaluation per arm (95% intervals: bootstrap over runs, then tasks)</h2>\n"
-                   + _table(ROW_COLUMNS, [row_cells(row) for row in arms])) if arms else ""
+                   + _table(ROW_COLUMNS, [row_cells(row) for row in arms], "arm-table")
+                   + _source_block("arm-table", ARM_TABLE_SOURCE, run_dirs)) if arms else ""
     images = "".join(
-        f"<h2>{html.escape(_FIGURE_TITLES[name])}</h2>\n"
+        f"<h2 id=\"figure-{html.escape(name)}\">{html.escape(_FIGURE_TITLES[name])}</h2>\n"
         f"<img src=\"{html.escape(path.name)}\" alt=\"{html.escape(_FIGURE_TITLES[name])}\">\n"
+        + _source_block(name, FIGURE_SOURCES[name], run_dirs)
         for name, path in figures.items()
     )
     family_rows = [[run.run_id, row.task_family, _rate(row.eval_guided), _rate(row.eval_free), _rate(row.train_guided),
@@ -511,7 +585,7 @@ def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequ
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
             f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{family_section}{images}"
-            "</body></html>\n")
+            f"{_LOAD_CHECK}\n</body></html>\n")
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Report:

@@ -46,7 +46,12 @@ apart from `Audit.view_names()`.
   merged), op_id, op_offset;
 - `experience_usage`: one row per (trajectory, served experience) from `trajectory_completed.retrieved`:
   trajectory_id, experience_id, version (served), generation_id, bank_offset, step, env_id, task_family, success,
-  reward, num_actions, policy_version, occurred_at.
+  reward, num_actions, policy_version, occurred_at;
+- `experience_ops`: one row per record of the replayed op log, applied or not, in log order: op_offset, op_id,
+  op_kind, generation_id, step. The step is that of the `ExtractionGenerated` with the op's generation id; an op
+  without one (capacity evictions have no generation, older generations no step) takes the step of the op before it
+  in the log, or 0 at the start of the log. Joined on `op_offset` to `experience_history` or to
+  `experiences.retired_offset`, it gives the step of every applied op (the bank figure of `crl report`).
 
 The connection is locked down after the views are made: only SELECT and EXPLAIN statements run, and DuckDB may read
 nothing outside the archive directory and write nothing at all.
@@ -195,7 +200,7 @@ RUN_VIEW_SQL = {
 
 # -- experience views -----------------------------------------------------------------------------------------------
 
-EXPERIENCE_VIEWS = ("experience_history", "experiences", "experience_lineage", "experience_usage")
+EXPERIENCE_VIEWS = ("experience_history", "experiences", "experience_lineage", "experience_usage", "experience_ops")
 
 _REPLAYED_TABLES = {
     "versions": pa.schema([
@@ -213,6 +218,9 @@ _REPLAYED_TABLES = {
     "lineage": pa.schema([
         ("source_id", pa.string()), ("merged_id", pa.string()), ("source_version", pa.int64()),
         ("op_id", pa.string()), ("op_offset", pa.int64()),
+    ]),
+    "ops": pa.schema([
+        ("op_offset", pa.int64()), ("op_id", pa.string()), ("op_kind", pa.string()), ("generation_id", pa.string()),
     ]),
 }
 
@@ -252,6 +260,14 @@ EXPERIENCE_VIEW_SQL = {
         f"success, reward, num_actions, policy_version, occurred_at FROM ({_SERVED_SQL}) "
         "ORDER BY step, occurred_at, trajectory_id, experience_id"
     ),
+    # A generation's step is its first ExtractionGenerated's; an op without one inherits the last step before it.
+    "experience_ops": (
+        "SELECT op.op_offset, op.op_id, op.op_kind, op.generation_id, coalesce(last_value(generated.step IGNORE NULLS) "
+        "OVER (ORDER BY op.op_offset ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), 0) AS step "
+        "FROM replayed_bank.ops AS op LEFT JOIN ("
+        "SELECT generation_id, min(step) AS step FROM extraction_generated GROUP BY generation_id"
+        ") AS generated ON generated.generation_id = op.generation_id ORDER BY op.op_offset"
+    ),
 }
 
 
@@ -261,7 +277,8 @@ def _json_list(values: Sequence[str]) -> str:
 
 
 def replayed_tables(state: BankState, ops: dict[int, ExperienceOp]) -> dict[str, list[dict[str, Any]]]:
-    """Rows of the `replayed_bank` tables from a replayed `state`; `ops` maps every replayed offset to its op."""
+    """Rows of the `replayed_bank` tables from a replayed `state`; `ops` maps every replayed offset to its op (every
+    record of the log, applied or not: each is a row of `ops`)."""
     versions, experiences, lineage = [], [], []
     for experience_id in sorted(state.experiences):
         experience = state.experiences[experience_id]
@@ -290,7 +307,9 @@ def replayed_tables(state: BankState, ops: dict[int, ExperienceOp]) -> dict[str,
             lineage.append({"source_id": parent, "merged_id": experience_id,
                             "source_version": state.experiences[parent].version, "op_id": created.op_id,
                             "op_offset": created.op_offset})
-    return {"versions": versions, "experiences": experiences, "lineage": lineage}
+    records = [{"op_offset": offset, "op_id": op.op_id, "op_kind": op.kind,
+                "generation_id": op.generation_id} for offset, op in sorted(ops.items())]
+    return {"versions": versions, "experiences": experiences, "lineage": lineage, "ops": records}
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,28 @@ trainers' steps. The grpo run has free train episodes and actor steps only, so m
 from __future__ import annotations
 
 import hashlib
+import html
+import json
 import re
+import shlex
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from typer.testing import CliRunner
 
 from pipeline.audit.archive import archive_root
-from pipeline.audit.report import OP_KINDS, FamilyRow, RunSummary, load_run, write_report
+from pipeline.audit.report import (
+    ARM_TABLE_SOURCE,
+    BANK_SQL,
+    FIGURE_SOURCES,
+    OP_KINDS,
+    SUCCESS_SQL,
+    FamilyRow,
+    RunSummary,
+    load_run,
+    write_report,
+)
+from pipeline.audit.views import Audit
 from pipeline.cli import app
 from pipeline.runtime.harness import run_worker
 from schemas.arrays import EmbeddingVector
@@ -173,6 +187,17 @@ def test_complementary_run_curves(runs):
                                    "parse_error": {0: 0.0, 1: 1.0, 2: 0.0}}
 
 
+def test_every_op_of_the_log_has_a_step_applied_or_not(runs):
+    with Audit(runs[0]) as audit:
+        rows = audit.query("SELECT op_offset, op_id, op_kind, step FROM experience_ops")[1]
+    # The stale refine (offset 3) is rejected but still in the log; the eviction has no generation and inherits the
+    # merge's step.
+    assert rows == [(0, "gen-1:0", "ExperienceAdded", 0), (1, "gen-1:1", "ExperienceAdded", 0),
+                    (2, "gen-2:0", "ExperienceRefined", 1), (3, "gen-5:0", "ExperienceRefined", 1),
+                    (4, "gen-6:0", "ExperienceAdded", 1), (5, "gen-m:0", "ExperienceMerged", 2),
+                    (6, "evict:exp-c", "ExperienceRetired", 2)]
+
+
 def test_grpo_run_has_empty_bank_and_extractor_curves(runs):
     curves = load_run(runs[1]).curves
     assert curves.success == {"train guided": {}, "train free": {0: 0.5}, "eval guided": {}, "eval free": {}}
@@ -216,6 +241,43 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
                    extractor_train_steps=0,
                    families=(FamilyRow("minihack-room", None, None, None, 0.5, engine_failures=0),)),
     )
+
+
+def audit_sql_json(command: str) -> list[dict]:
+    """What a command line printed on the page prints with `--format json` (it must be `crl audit sql DIR SQL`)."""
+    program, *arguments = shlex.split(command)
+    assert (program, *arguments[:2]) == ("crl", "audit", "sql") and len(arguments) == 4, command
+    result = CliRunner().invoke(app, [*arguments, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.output.splitlines()]
+
+
+def test_every_figure_and_the_arm_table_print_the_queries_they_were_made_from(runs, tmp_path):
+    report = write_report(list(runs), tmp_path / "comparison")
+    page = report.html.read_text()
+    # Under each figure, its block; under the table of arms, its own.
+    blocks = re.findall(r'<img src="(\w+)\.png"[^>]*>\n<details class="source" id="source-(\w+)">', page)
+    assert blocks == [(name, name) for name in FIGURE_SOURCES]
+    assert re.search(r'<table id="arm-table">.*?</table>\n<details class="source" id="source-arm-table">', page,
+                     re.DOTALL)
+    assert "pipeline.audit.learning.arm_table" in page
+    commands = [html.unescape(line) for block in re.findall(r"<pre>(.*?)</pre>", page, re.DOTALL)
+                for line in block.splitlines()]
+    # One command per query and run; the SQL printed is the SQL the report read its numbers with.
+    sources = [ARM_TABLE_SOURCE, *FIGURE_SOURCES.values()]
+    assert commands == [f'crl audit sql {run_dir} "{sql}"' for source in sources for sql in source.queries
+                        for run_dir in runs]
+    printed = {command: audit_sql_json(command) for command in commands}
+    curves = report.curves[0]
+    success = printed[f'crl audit sql {runs[0]} "{SUCCESS_SQL}"']
+    assert {f"{row['split']} {'guided' if row['guided'] else 'free'}" for row in success} == set(curves.success)
+    for row in success:
+        series = curves.success[f"{row['split']} {'guided' if row['guided'] else 'free'}"]
+        assert series[row["step"]] == row["success_rate"]
+    bank = printed[f'crl audit sql {runs[0]} "{BANK_SQL}"']
+    assert {row["step"]: row["bank_size"] for row in bank} == curves.bank_size == {0: 2.0, 1: 3.0, 2: 1.0}
+    assert {kind: {row["step"]: row[kind] for row in bank} for kind in OP_KINDS} == curves.ops
+    assert printed[f'crl audit sql {runs[1]} "{BANK_SQL}"'] == []
 
 
 def test_report_of_an_empty_run_dir_draws_empty_axes(tmp_path):
