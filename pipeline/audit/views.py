@@ -31,9 +31,9 @@ Experience views, made by replaying the op log the first time a query reads one 
 replay bank`, over the records of the most recently written op log in the archive, which is the log `crl replay bank`
 picks when the bank has no live position; the log's id is `Audit.op_log_id`). DuckDB cannot run the bank's rules, and a
 replay agrees with the bank by construction: rejected ops (version conflicts, retired or unknown targets) and repeated
-op ids are in none of them. An archive without ops gives empty views. The replay runs at most once per `Audit` (about a
-second per 10,000 ops), and not at all for queries that do not name these views; they are listed in `EXPERIENCE_VIEWS`,
-apart from `Audit.view_names()`.
+op ids are in none of them but `experience_ops`, which lists the log itself. An archive without ops gives empty views.
+The replay runs at most once per `Audit` (about a second per 10,000 ops), and not at all for queries that do not name
+these views; they are listed in `EXPERIENCE_VIEWS`, apart from `Audit.view_names()`.
 - `experience_history`: one row per version of an experience, in log order: experience_id, version, text, op_kind,
   op_id, op_offset (offset in crl.experience-ops), generation_id, extractor_version, source_trajectory_ids (JSON,
   the trajectories this op read), occurred_at (of the op). Adds and merges make version 1, refines the next one;
