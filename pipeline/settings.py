@@ -32,6 +32,7 @@ from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings
 from pipeline.runtime.settings import RunnerSettings
+from pipeline.tracking.settings import TrackerSettings
 from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
 
 
@@ -85,6 +86,7 @@ class Settings(BaseSettings):
     db: DbSettings = Field(default_factory=DbSettings)
     runner: RunnerSettings = Field(default_factory=RunnerSettings)
     archiver: ArchiverSettings = Field(default_factory=ArchiverSettings)
+    tracker: TrackerSettings = Field(default_factory=TrackerSettings)
     bank: BankSettings = Field(default_factory=BankSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)

@@ -12,6 +12,7 @@ from workers.extractor import Extractor
 from workers.extractor_trainer import ExtractorTrainer
 from workers.rollout import Rollout
 from workers.scheduler import Scheduler
+from workers.tracker import Tracker
 
 WORKERS: dict[str, WorkerClass] = {
     Scheduler.name: Scheduler,
@@ -21,4 +22,5 @@ WORKERS: dict[str, WorkerClass] = {
     BankProjection.name: BankProjection,
     ActorTrainer.name: ActorTrainer,
     ExtractorTrainer.name: ExtractorTrainer,
+    Tracker.name: Tracker,
 }

@@ -7,8 +7,9 @@
     crl replay train runs/demo                   # re-run every training step, compare weight hashes
 
 One module per command group (`topics`, `stack`, `worker`, `run`, `doctor`, `audit`, `replay`, `bank`, `report`,
-`config`, `envs`, `models`); each command parses its arguments, calls one function of the layers below, prints, and
-turns errors into exit codes (`pipeline.cli.common.fail`): 1 for a failed check or query, 2 for bad settings or usage.
+`track`, `config`, `envs`, `models`); each command parses its arguments, calls one function of the layers below,
+prints, and turns errors into exit codes (`pipeline.cli.common.fail`): 1 for a failed check or query, 2 for bad
+settings or usage.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from pipeline.cli import audit, bank, doctor, envs, models, replay, report, run, stack, topics, worker
+from pipeline.cli import audit, bank, doctor, envs, models, replay, report, run, stack, topics, track, worker
 from pipeline.cli import config as config_commands
 from pipeline.cli.common import LogLevel, State, configure_logging, errors, with_exit_codes
 from pipeline.errors import ConfigError
@@ -43,6 +44,7 @@ app.command("worker")(worker.worker)
 app.command("run")(run.run)
 app.command("doctor")(doctor.doctor)
 app.command("report")(report.report)
+app.command("track")(track.track)
 for _typer in (app, *(group.typer_instance for group in app.registered_groups)):
     for _command in _typer.registered_commands:  # type: ignore[union-attr]
         _command.callback = with_exit_codes(_command.callback)  # type: ignore[arg-type]

@@ -3,7 +3,8 @@
 Everything here is derived from what the worker kinds declare (`pipeline.runtime.runner.Worker`), for every kind of
 the `crl.workers` registry, this repository's and any installed package's:
 
-- which arms need a kind (`arms`; the grpo arm has no experience bank, so no bank, extractor or extractor trainer);
+- which arms need a kind (`arms`; the grpo arm has no experience bank, so no bank, extractor or extractor trainer),
+  and whether the settings turn it off (`enabled`: `tracker.enabled: false`);
 - how many processes (`instances`, the `launch` setting that counts them; one by default), and how many
   data-parallel ranks a trainer process runs as (`trainer_ranks`: its `ranks` setting; above 1 under torchrun);
 - the start order, consumers first: a kind starts after every kind that consumes a topic it produces, so nothing is
@@ -48,7 +49,8 @@ def start_order(kinds: Mapping[str, WorkerClass]) -> list[str]:
 def planned_kinds(settings: Settings, registry: Mapping[str, WorkerClass]) -> dict[str, WorkerClass]:
     """The registry's kinds the run's arm needs, in start order."""
     arm = settings.scheduler.arm
-    needed = {name: kind for name, kind in registry.items() if kind.arms is None or arm in kind.arms}
+    needed = {name: kind for name, kind in registry.items()
+              if (kind.arms is None or arm in kind.arms) and kind.enabled(settings)}
     return {name: needed[name] for name in start_order(needed)}
 
 

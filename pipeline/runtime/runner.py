@@ -108,6 +108,12 @@ class Worker(ABC):
         return cls()
 
     @classmethod
+    def enabled(cls, settings: Any) -> bool:
+        """Whether `crl run` starts the kind under these settings (beside `arms`); default: always. The tracker
+        reads `tracker.enabled`."""
+        return True
+
+    @classmethod
     def data_parallel(cls, settings: Any) -> Any:
         """For a kind that trains data-parallel: its trainer settings (`pipeline.rl.settings.TrainerSettings`: `ranks`,
         `rank_timeout_s`, `model.device`), from which `crl run` starts it under torchrun when `ranks` > 1; None

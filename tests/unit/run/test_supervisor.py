@@ -24,6 +24,7 @@ from pipeline.run.supervisor import RunSupervisor
 from pipeline.runtime.launch import load_worker_registry
 from pipeline.runtime.runner import Worker
 from pipeline.settings import LaunchSettings, Settings
+from pipeline.tracking.settings import TrackerSettings
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import ExperienceAdded, ExperienceRefined
@@ -39,18 +40,24 @@ def _settings(tmp_path: Path, arm: str = "complementary", **launch: int) -> Sett
 
 def test_every_arm_with_a_bank_starts_every_worker_kind_consumers_first(tmp_path):
     plan = worker_plan(_settings(tmp_path, rollout_workers=2, extractor_workers=3))
-    assert plan == [("archiver", "archiver-0"), ("bank", "bank-0"), ("extractor_trainer", "extractor_trainer-0"),
+    assert plan == [("archiver", "archiver-0"), ("tracker", "tracker-0"), ("bank", "bank-0"),
+                    ("extractor_trainer", "extractor_trainer-0"),
                     ("extractor", "extractor-0"), ("extractor", "extractor-1"), ("extractor", "extractor-2"),
                     ("actor_trainer", "actor_trainer-0"), ("rollout", "rollout-0"),
                     ("rollout", "rollout-1"), ("scheduler", "scheduler-0")]
     for arm in ("static_extractor", "exp_only"):
         assert [kind for kind, _ in worker_plan(_settings(tmp_path, arm))] == \
-            ["archiver", "bank", "extractor_trainer", "extractor", "actor_trainer", "rollout", "scheduler"]
+            ["archiver", "tracker", "bank", "extractor_trainer", "extractor", "actor_trainer", "rollout", "scheduler"]
 
 
 def test_the_grpo_arm_has_no_bank_and_no_extractor(tmp_path):
     assert [kind for kind, _ in worker_plan(_settings(tmp_path, "grpo"))] == \
-        ["archiver", "actor_trainer", "rollout", "scheduler"]
+        ["archiver", "tracker", "actor_trainer", "rollout", "scheduler"]
+
+
+def test_the_tracker_is_left_out_when_the_settings_turn_it_off(tmp_path):
+    settings = _settings(tmp_path).model_copy(update={"tracker": TrackerSettings(enabled=False)})
+    assert "tracker" not in [kind for kind, _ in worker_plan(settings)]
 
 
 def _kind(name: str, consumes=(), produces=(), **declared) -> type[Worker]:

@@ -1,0 +1,380 @@
+"""What an experiment tracker shows of a run, as a fold over the run's events: namespaced scalars and texts against
+the step (`RunTracking`).
+
+The tracker worker (`workers/tracker.py`) feeds it the records it reads live; `crl track` feeds it an archive. The
+two read the topics interleaved differently, so nothing here depends on the order across topics: an entry is emitted
+once the events it is computed from are all in, and then it never changes. Within a partition both see the log's
+order, and where an event was written twice (a retry, a replayed episode) the first one counts, as for every other
+reader. So a live tracker and `crl track` of the same run write the same entries.
+
+Every tag, its step axis and its source are listed in docs/tracking.md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.actor.schedule import Schedule, trajectory_event_id
+from pipeline.actor.settings import SchedulerSettings
+from pipeline.bank.state import Applied, BankState, Rejected
+from pipeline.envs.settings import EnvSettings
+from pipeline.rl.settings import ActorTrainerSettings
+from schemas.base import Event, Producer
+from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
+from schemas.extractions import ExtractionGenerated
+from schemas.runs import RunStarted
+from schemas.training import TrainStepCompleted
+from schemas.trajectories import TrajectoryCompleted
+
+METRIC_ALIASES = {"clip_fraction": "clip_frac", "reward_mean": "reward"}
+"""Trainer metric names shown under the shorter names trackers' users know (PPO's `clip_frac`, `extractor/reward`)."""
+
+_TRACKER = Producer(worker="tracker", instance="tracker")
+"""Stands in for the scheduler when the tracker recomputes the ids of a step's assignments (ids do not depend on
+who publishes them)."""
+
+_OP_KINDS = {ExperienceAdded: "add", ExperienceRefined: "refine", ExperienceMerged: "merge",
+             ExperienceRetired: "retire"}
+
+
+@dataclass(frozen=True)
+class Scalar:
+    tag: str
+    step: int
+    value: float
+    wall_time: float
+    """Seconds since the epoch: when the newest event the value is computed from was made (not when it was read)."""
+
+
+@dataclass(frozen=True)
+class Text:
+    tag: str
+    step: int
+    text: str
+    wall_time: float
+
+
+Entry = Scalar | Text
+
+
+def entry_key(entry: Entry) -> str:
+    """What identifies an entry across restarts: its kind, tag and step (a tracker writes each one once)."""
+    return f"{'text' if isinstance(entry, Text) else 'scalar'}\t{entry.tag}\t{entry.step}"
+
+
+def _wall(event: Event) -> float:
+    return event.occurred_at.timestamp()
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    chosen = list(values)
+    return statistics.fmean(chosen) if chosen else None
+
+
+def _metric_name(name: str) -> str:
+    return METRIC_ALIASES.get(name, name)
+
+
+def schedule_from(started: RunStarted) -> Schedule:
+    """The run's schedule as `RunStarted` recorded its settings (the same function of them the scheduler used)."""
+    config = started.config
+    trainer = ActorTrainerSettings.model_validate(config.get("actor_trainer", {}))
+    return Schedule(scheduler=SchedulerSettings.model_validate(config.get("scheduler", {})),
+                    envs=EnvSettings.model_validate(config.get("envs", {})), group_size=trainer.group_size,
+                    groups_per_step=trainer.groups_per_step, warmup_steps=trainer.warmup_steps)
+
+
+@dataclass
+class _Step:
+    """One (split, step) of the schedule: the trajectory ids it will have, and those that arrived (first wins)."""
+
+    expected: frozenset[str]
+    seen: set[str] = field(default_factory=set)
+    held: list[TrajectoryCompleted] = field(default_factory=list)
+    """The episodes that arrived, until the step's entries are out (a run's episodes carry every token id)."""
+    emitted: bool = False
+    wall: float = 0.0
+    """When its newest episode was made (set once the step is complete)."""
+    samples: list[TrajectoryCompleted] = field(default_factory=list)
+    """The episodes shown as text, kept until the bank they were served from is known."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == len(self.expected)
+
+    def episodes(self) -> list[TrajectoryCompleted]:
+        """The step's episodes in schedule order (group, slot), whatever order they arrived in."""
+        return sorted(self.held, key=lambda t: (t.group_id, t.slot))
+
+
+@dataclass(frozen=True)
+class _AppliedOp:
+    offset: int
+    label: str
+    """add | refine | merge | retire | rejected."""
+    active_after: int
+    summary: str
+
+
+class RunTracking:
+    """The fold: `add` each event (with its topic and offset) and get back the entries that became final."""
+
+    def __init__(self, run_id: str | None = None, samples_per_step: int = 2) -> None:
+        self.run_id = run_id
+        self.samples_per_step = samples_per_step
+        self.started: RunStarted | None = None
+        self.schedule: Schedule | None = None
+        self.steps: dict[tuple[str, int], _Step] = {}
+        self._early: list[TrajectoryCompleted] = []
+        """Episodes read before `RunStarted` (another partition may be read first): placed once it arrives."""
+        self.train_steps: set[tuple[str, int]] = set()
+        self.bank = BankState()
+        self.ops: list[_AppliedOp] = []
+        self.ops_read_to = 0
+        """One past the newest op offset read."""
+        self.active = 0
+        self.parse: dict[str, str] = {}
+        """Generation event id -> parse status (first wins)."""
+        self._extractor_steps: list[TrainStepCompleted] = []
+        """Extractor steps whose batch has generations not read yet."""
+        self._bank_cuts: dict[int, int] = {}
+        """Scheduler step -> the op offset its bank stopped at (once its train episodes are all in)."""
+        self._last_cut = 0
+
+    # -- the fold -------------------------------------------------------------------------------------------------
+
+    def add(self, event: Event, offset: int) -> list[Entry]:
+        if self.run_id is None and isinstance(event, RunStarted):
+            self.run_id = event.run_id
+        if self.run_id is not None and event.run_id != self.run_id:
+            return []
+        if isinstance(event, RunStarted):
+            return self._started(event)
+        if isinstance(event, TrajectoryCompleted):
+            return self._trajectory(event)
+        if isinstance(event, TrainStepCompleted):
+            return self._train_step(event)
+        if isinstance(event, ExtractionGenerated):
+            self.parse.setdefault(str(event.event_id), event.parse_status)
+            return self._extractor_parse()
+        if isinstance(event, ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired):
+            self._op(event, offset)
+            return self._bank_entries()
+        return self._other(event)
+
+    def _other(self, event: Event) -> list[Entry]:
+        """Event kinds the tracker shows beyond the core loop (the warm start's progress)."""
+        return []
+
+    def _started(self, event: RunStarted) -> list[Entry]:
+        if self.started is not None:
+            return []
+        self.started = event
+        self.schedule = schedule_from(event)
+        early, self._early = self._early, []
+        entries: list[Entry] = [Text("run/config", 0, "```\n" + json.dumps(event.config, indent=2, sort_keys=True)
+                                     + "\n```", _wall(event))]
+        for trajectory in early:
+            entries += self._trajectory(trajectory)
+        return entries
+
+    # -- episodes ---------------------------------------------------------------------------------------------------
+
+    def _step(self, split: str, step: int) -> _Step:
+        key = (split, step)
+        if key not in self.steps:
+            assert self.schedule is not None and self.run_id is not None
+            planned = (self.schedule.train_assignments(self.run_id, _TRACKER, step) if split == "train"
+                       else self.schedule.eval_assignments(self.run_id, _TRACKER, step))
+            self.steps[key] = _Step(frozenset(str(trajectory_event_id(str(a.event_id))) for a in planned))
+        return self.steps[key]
+
+    def _trajectory(self, event: TrajectoryCompleted) -> list[Entry]:
+        if self.schedule is None:
+            self._early.append(event)
+            return []
+        record = self._step(event.split, event.step)
+        event_id = str(event.event_id)
+        if event_id not in record.expected or event_id in record.seen:
+            return []  # not this schedule's (another attempt's config) or a replayed episode: the first counts
+        record.seen.add(event_id)
+        record.held.append(event)
+        if not record.complete or record.emitted:
+            return []
+        record.emitted = True
+        episodes = record.episodes()
+        record.wall = max(_wall(t) for t in episodes)
+        entries = self._episode_scalars(event.split, event.step, episodes)
+        if event.split == "train":
+            chosen = [t for t in episodes if t.guided][: self.samples_per_step]
+            record.samples = chosen + [t for t in episodes if not t.guided][: self.samples_per_step]
+            offsets = [t.bank_offset for t in episodes if t.bank_offset is not None]
+            if offsets:
+                # Samples show the experiences served: they wait until the ops up to that bank have been read.
+                self._bank_cuts[event.step] = max(offsets)
+            else:
+                entries += self._samples(event.step, record)
+        record.held = []
+        return entries + self._bank_entries()
+
+    def _episode_scalars(self, split: str, step: int, episodes: Sequence[TrajectoryCompleted]) -> list[Entry]:
+        prefix = "rollout" if split == "train" else "eval"
+        wall = max(_wall(t) for t in episodes)
+        entries = self._success_scalars(prefix, step, episodes, wall)
+        if split == "train":
+            for name, values in (("reward_mean", [t.reward for t in episodes]),
+                                 ("turns_mean", [float(len(t.turns)) for t in episodes]),
+                                 ("invalid_actions_mean", [float(t.invalid_actions) for t in episodes])):
+                entries.append(Scalar(f"{prefix}/{name}", step, statistics.fmean(values), wall))
+        families = sorted({t.task_family for t in episodes})
+        if len(families) > 1:
+            for family in families:
+                entries += self._success_scalars(f"{prefix}/{family}", step,
+                                                 [t for t in episodes if t.task_family == family], wall)
+        return entries
+
+    @staticmethod
+    def _success_scalars(prefix: str, step: int, episodes: Sequence[TrajectoryCompleted],
+                         wall: float) -> list[Entry]:
+        entries: list[Entry] = [Scalar(f"{prefix}/episodes", step, float(len(episodes)), wall),
+                                Scalar(f"{prefix}/success", step, statistics.fmean(t.success for t in episodes), wall)]
+        for kind, guided in (("guided", True), ("free", False)):
+            rate = _mean(float(t.success) for t in episodes if t.guided == guided)
+            if rate is not None:
+                entries.append(Scalar(f"{prefix}/success_{kind}", step, rate, wall))
+        return entries
+
+    def _samples(self, step: int, record: _Step) -> list[Entry]:
+        """The first `samples_per_step` guided and free episodes of the step, as text."""
+        chosen, record.samples = record.samples, []
+        if not chosen:
+            return []
+        text = "\n\n---\n\n".join(self._episode_text(t) for t in chosen)
+        return [Text("rollout/samples", step, text, max(_wall(t) for t in chosen))]
+
+    def _episode_text(self, episode: TrajectoryCompleted) -> str:
+        served = [self._served_text(ref.experience_id, ref.version) for ref in episode.retrieved]
+        first = episode.turns[0].observation if episode.turns else ""
+        actions = ", ".join(turn.action for turn in episode.turns) or "(none)"
+        outcome = "success" if episode.success else "failure"
+        return (f"**{episode.group_id} slot {episode.slot}** ({'guided' if episode.guided else 'free'}, "
+                f"{episode.env_id} seed {episode.seed}, actor v{episode.policy_version})\n\n"
+                f"goal: {episode.goal}\n\n"
+                f"served experience: {' | '.join(served) if served else '(none)'}\n\n"
+                f"first observation:\n\n```\n{first}\n```\n\n"
+                f"actions: {actions}\n\n"
+                f"outcome: {outcome}, reward {episode.reward:g}, {len(episode.turns)} turns")
+
+    def _served_text(self, experience_id: str, version: int) -> str:
+        experience = self.bank.experiences.get(experience_id)
+        if experience is not None:
+            for written in experience.history:
+                if written.version == version:
+                    return f"{experience_id} v{version}: {written.text}"
+        return f"{experience_id} v{version}"
+
+    # -- the bank ---------------------------------------------------------------------------------------------------
+
+    def _op(self, op: ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired,
+            offset: int) -> None:
+        if offset < self.ops_read_to:
+            return  # read again (a restored log's duplicate): the bank saw it once
+        self.ops_read_to = offset + 1
+        candidates = [op.experience_id, *([s.experience_id for s in op.sources]
+                                          if isinstance(op, ExperienceMerged) else [])]
+        before = sum(1 for i in candidates if i in self.bank.experiences and self.bank.experiences[i].active)
+        outcome = self.bank.apply(op, offset)
+        if isinstance(outcome, Applied):
+            after = sum(1 for i in candidates if i in self.bank.experiences and self.bank.experiences[i].active)
+            self.active += after - before
+            label = _OP_KINDS[type(op)]
+            summary = f"{label} {op.experience_id}: {getattr(op, 'text', None) or getattr(op, 'reason', '')}"
+        elif isinstance(outcome, Rejected):
+            label, summary = "rejected", f"rejected {op.experience_id}: {outcome.reason}"
+        else:
+            return  # a duplicate op changes nothing
+        self.ops.append(_AppliedOp(offset, label, self.active, summary))
+
+    def _bank_entries(self) -> list[Entry]:
+        """Bank scalars and texts of the steps whose bank the ops read so far reach, in step order, each once every
+        step before it is complete (so the ops "written" since the step before are the same whatever was read
+        first)."""
+        entries: list[Entry] = []
+        for step in sorted(self._bank_cuts):
+            cut = self._bank_cuts[step]
+            earlier = [self.steps.get(("train", s)) for s in range(step)]
+            if cut > self.ops_read_to or not all(record is not None and record.emitted for record in earlier):
+                break
+            del self._bank_cuts[step]
+            record = self.steps[("train", step)]
+            applied = [op for op in self.ops if op.offset < cut]
+            counts = Counter(op.label for op in applied)
+            entries.append(Scalar("bank/size", step, float(applied[-1].active_after if applied else 0), record.wall))
+            entries.append(Scalar("bank/offset", step, float(cut), record.wall))
+            for label in ("add", "refine", "merge", "retire", "rejected"):
+                entries.append(Scalar(f"bank/ops/{label}", step, float(counts[label]), record.wall))
+            written = [op.summary for op in applied if op.offset >= self._last_cut]
+            self._last_cut = max(self._last_cut, cut)
+            if written:
+                entries.append(Text("bank/written", step, "\n".join(f"- {line}" for line in written), record.wall))
+            entries += self._samples(step, record)
+        return entries
+
+    # -- trainers ---------------------------------------------------------------------------------------------------
+
+    def _train_step(self, event: TrainStepCompleted) -> list[Entry]:
+        key = (event.role, event.policy_version)
+        if key in self.train_steps:
+            return []
+        self.train_steps.add(key)
+        wall, step, role = _wall(event), event.step, event.role
+        entries: list[Entry] = [Scalar(f"train/{role}/loss", step, event.loss, wall),
+                                Scalar(f"train/{role}/tokens", step, float(event.tokens), wall)]
+        for name, value in sorted(event.metrics.items()):
+            namespace, _, metric = name.partition("/")
+            if namespace == "train":
+                tag = f"train/{role}/{_metric_name(metric)}"
+            elif namespace == "rollout" and role == "actor":
+                tag = f"train/actor/batch/{metric}"
+            elif namespace == "extractor":
+                tag = f"extractor/{_metric_name(metric)}"
+            else:
+                tag = f"train/{role}/{name}"
+            entries.append(Scalar(tag, step, float(value), wall))
+        if role == "extractor":
+            self._extractor_steps.append(event)
+            entries += self._extractor_parse()
+        return entries
+
+    def _extractor_parse(self) -> list[Entry]:
+        entries: list[Entry] = []
+        waiting = []
+        for event in self._extractor_steps:
+            statuses = [self.parse.get(i) for i in event.batch_event_ids]
+            if None in statuses:
+                waiting.append(event)
+                continue
+            errors = sum(status == "parse_error" for status in statuses) / len(statuses)
+            entries += [Scalar("extractor/parse_ok", event.step, 1.0 - errors, _wall(event)),
+                        Scalar("extractor/parse_error", event.step, errors, _wall(event))]
+        self._extractor_steps = waiting
+        return entries
+
+
+def fold(events: Iterable[tuple[Event, int]], run_id: str | None = None, samples_per_step: int = 2) -> list[Entry]:
+    """Every entry of a sequence of (event, offset)."""
+    tracking = RunTracking(run_id, samples_per_step)
+    entries: list[Entry] = []
+    for event, offset in events:
+        entries += tracking.add(event, offset)
+    return entries
+
+
+def as_table(entries: Iterable[Entry]) -> dict[str, Any]:
+    """Entries by `entry_key`, the value or text only (what two trackers of one run must agree on)."""
+    return {entry_key(e): (e.value if isinstance(e, Scalar) else e.text) for e in entries}
