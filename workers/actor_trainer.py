@@ -33,11 +33,11 @@ from pipeline.rl.training import (
     PolicyVersion,
     WarmStart,
     actor_batch,
-    checkpoints_root,
     events_of,
     replica_step,
     unpublished,
 )
+from pipeline.rl.versions import checkpoints_root
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
 from pipeline.runtime.runner import Origin, Worker, WorkerIO

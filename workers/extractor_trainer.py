@@ -31,11 +31,11 @@ from pipeline.rl.training import (
     PolicyTrainer,
     PolicyVersion,
     WarmStart,
-    checkpoints_root,
     events_of,
     replica_step,
     unpublished,
 )
+from pipeline.rl.versions import checkpoints_root
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Origin, Worker, WorkerIO

@@ -250,6 +250,16 @@ def _samples(role: Role, batch: list[Event], recorded: TrainStepCompleted, setti
         if len(trajectories) != len(batch):
             return "a batch event is not a TrajectoryCompleted"
         assert isinstance(settings, ActorTrainerSettings)
+        if recorded.rewards:
+            # The same event id with another outcome: a play of the episode other than the one the step trained on
+            # (an episode played again under its id after the broker lost the first play).
+            changed = [(event_id, t.reward, reward) for event_id, t, reward
+                       in zip(recorded.batch_event_ids, trajectories, recorded.rewards, strict=True)
+                       if t.reward != reward]
+            if changed:
+                event_id, archived, trained = changed[0]
+                return (f"{len(changed)} archived batch trajectories are not the plays the step trained on, e.g. "
+                        f"{event_id}: reward {archived} in the archive, {trained} recorded by the step")
         samples, advantages = actor_batch(trajectories, settings)
         if recorded.advantages and tuple(advantages.tolist()) != recorded.advantages:
             return f"recomputed advantages {advantages.tolist()} differ from the recorded {list(recorded.advantages)}"

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -54,6 +52,7 @@ from pipeline.rl.update import (
     make_optimizer,
     policy_step,
 )
+from pipeline.rl.versions import event_id_for, version_dir, versions_in
 from pipeline.runtime.log import Log, events_to_end
 from schemas.base import Event, Producer, Role
 from schemas.extractions import ExtractionGenerated
@@ -66,24 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_EVENT_NAMESPACE = uuid.UUID("5d3c8a4e-8f57-4f7e-9a43-6a1f0f2b7c11")
-_VERSION_DIR = re.compile(r"^v(\d{6})$")
-
-
-def checkpoints_root(run_dir: Path, role: Role) -> Path:
-    return run_dir / "checkpoints" / role
-
-
-def version_dir(root: Path, version: int) -> Path:
-    return root / f"v{version:06d}"
-
-
-def versions_in(root: Path) -> list[int]:
-    """The version numbers of the checkpoint directories under `root`, ascending."""
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)))
-
 
 def replica_step(role: Role, settings: TrainerSettings, root: Path, temperature: float) -> TrainerStep:
     """The `TrainerStep` a data-parallel rank above 0 trains with: the newest checkpoint rank 0 wrote (or resumed
@@ -92,11 +73,6 @@ def replica_step(role: Role, settings: TrainerSettings, root: Path, temperature:
     if not versions:
         raise ConfigError(f"no {role} checkpoint under {root}: rank 0 writes version 0 before the other ranks start")
     return TrainerStep.resumed(load_checkpoint(version_dir(root, versions[-1])), settings, temperature)
-
-
-def event_id_for(run_id: str, role: Role, version: int, what: str) -> uuid.UUID:
-    """Deterministic event id of a version's `PolicyPublished` / `TrainStepCompleted`."""
-    return uuid.uuid5(_EVENT_NAMESPACE, f"{run_id}/{role}/{version}/{what}")
 
 
 def initial_policy(model: ModelSettings) -> TransformersPolicy:

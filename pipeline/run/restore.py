@@ -23,7 +23,10 @@ died (well under a second here; the archiver flushes what it has read when it st
 gone, so a consumer group is carried on from its latest commit whose outputs were all restored
 (`pipeline.runtime.group_commits`) and re-reads from there; the scheduler re-issues what is missing. A worker whose
 own position lies past the restored end read records that are gone and may have acted on them: the bank (a
-projection of the log) is rebuilt from offset 0; any other such worker makes the restore fail, naming it.
+projection of the log) is rebuilt from offset 0; any other such worker makes the restore fail, naming it. A trainer
+acts on records before its position says so (it checkpoints a step, then publishes, then commits): its versions
+trained on records the restored log lacks are removed (`drop_checkpoints_past`), so it trains those steps again on
+the episodes played again in their place, and records what it trained on.
 """
 
 from __future__ import annotations
@@ -44,17 +47,32 @@ from infra.kafka import KafkaSettings, commit_group_offsets, make_admin, make_pr
 from pipeline.audit.archive import archive_root
 from pipeline.bank.snapshots import snapshot_dirs, snapshots_root
 from pipeline.errors import RunFailedError
+from pipeline.rl.versions import checkpoints_root, event_id_for, version_dir, versions_in
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.group_commits import restorable_group_positions
 from pipeline.runtime.harness import RawRecord
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore, TopicPartition
 from pipeline.runtime.runner import event_headers
+from schemas.base import Role
 from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, ClaimChecks, decode, encode
 from schemas.dead_letters import DeadLetter, dead_letter_id
-from schemas.topics import DEAD_LETTERS, EXPERIENCE_OPS_TOPIC, TOPICS, Topic
+from schemas.topics import (
+    DEAD_LETTERS,
+    EXPERIENCE_OPS_TOPIC,
+    EXTRACTIONS,
+    POLICY,
+    TOPICS,
+    TRAIN_STEPS,
+    TRAJECTORIES,
+    Topic,
+)
 
 ARCHIVER = "archiver"
 """The worker whose SQL positions say how far the archive is complete."""
+TRAINER_INPUTS: dict[Role, Topic] = {"actor": TRAJECTORIES, "extractor": EXTRACTIONS}
+"""The topic whose events form each trainer's batches (`TrainStepCompleted.batch_event_ids`)."""
+TRAINER_POSITIONS: dict[Role, str] = {"actor": "actor_trainer"}
+"""The trainers that keep SQL positions (the extractor trainer reads its inputs from offset 0 at every start)."""
 BANK_TABLES = ("experiences", "experience_versions", "bank_position", "experience_served", "extraction_events",
                "extractor_batches")
 """The bank worker's projection in SQL: emptied (with its positions) when it read past the restored log."""
@@ -73,6 +91,8 @@ class RestoredLog:
     group_positions: dict[str, dict[TopicPartition, int]] = field(default_factory=dict)
     bank_rebuilt: bool = False
     snapshots_dropped: int = 0
+    checkpoints_dropped: dict[str, list[int]] = field(default_factory=dict)
+    """Per trainer role, the versions removed because they were trained on records the restored log lacks."""
 
 
 def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over: bool = True,
@@ -81,9 +101,9 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
     `RunFailedError` when the archive cannot give back the log as it was.
 
     `carry_over`: the run goes on in the restored log, so check and adjust what the workers keep (a worker past the
-    archive fails the restore, a bank past it is emptied, snapshots past it removed) and work out the groups'
-    positions. Without it nothing of the run is read or changed but the archive and the archiver's positions (a
-    read-only look at the log, such as replaying the bank from Kafka after the run).
+    archive fails the restore, a bank past it is emptied, snapshots and trainer versions past it removed) and work
+    out the groups' positions. Without it nothing of the run is read or changed but the archive and the archiver's
+    positions (a read-only look at the log, such as replaying the bank from Kafka after the run).
 
     The archive holds every event whole; one over `claim_check_bytes` (the run's setting) is claim-checked again on
     its way back, which gives the record it was (the blob's bytes are a function of the event)."""
@@ -98,6 +118,7 @@ def restore_log(run_dir: Path, kafka: KafkaSettings, engine: Engine, carry_over:
                                  for partition in range(topic.partitions)})
     if carry_over:
         _check_positions(engine, restored.ends, run_dir)
+        restored.checkpoints_dropped = drop_checkpoints_past(run_dir, engine, restored.ends)
     admin = make_admin(kafka, client_id="crl-restore")
     try:
         new_ids = topic_ids(admin, [topic.name for topic in TOPICS])
@@ -170,6 +191,83 @@ def _check_positions(engine: Engine, ends: Mapping[TopicPartition, LogPosition],
         raise RunFailedError(
             f"{run_dir}: the broker died with records the archiver had not read yet, and other workers had acted on "
             "them: " + "; ".join(ahead) + ". Their state cannot be carried over to a log without those records.")
+
+
+def drop_checkpoints_past(run_dir: Path, engine: Engine, ends: Mapping[TopicPartition, LogPosition]
+                          ) -> dict[str, list[int]]:
+    """Remove each trainer's versions that were trained on records gone with the broker (neither in the restored log
+    nor archived from an earlier log of the topic), and every version after the first such one; returns them per
+    role. Raises `RunFailedError` when such a version was announced in the
+    restored log (its `PolicyPublished` or `TrainStepCompleted` is there): it can be neither kept nor trained again.
+
+    A trainer writes a version's checkpoint before it publishes its events and commits its positions. When the broker
+    dies in between, or the archiver had not read the step's inputs yet, the checkpoint holds an update on records that
+    are gone with the broker. Kept, the trainer would publish its recorded `TrainStepCompleted` on restart (events
+    are a function of the checkpoint), while the scheduler and the rollout workers play the lost episodes again under
+    the same event ids, with other outcomes: the archive would name batch events that are not what the step trained
+    on, and `crl replay train` could not reproduce the step. Dropped, the trainer resumes from the newest version whose
+    inputs are all in the restored log and trains the next step on what the log now holds. The actor trainer's
+    positions are cleared with its versions, so it reads its input again from offset 0 (what belongs to steps it
+    has trained is ignored): they may have passed inputs of a dropped step."""
+    dropped: dict[str, list[int]] = {}
+    for role, inputs in TRAINER_INPUTS.items():
+        root = checkpoints_root(run_dir, role)
+        versions = [version for version in versions_in(root) if version > 0]
+        if not versions:
+            continue
+        available = _restored_event_ids(run_dir, inputs, ends)
+        first_lost, run_id, missing = None, "", ""
+        for version in versions:
+            manifest = version_dir(root, version) / "manifest.json"
+            if not manifest.is_file():
+                continue  # never completed (the trainer removes it when it writes that version)
+            metadata = json.loads(manifest.read_text())["metadata"]
+            train_step = metadata.get("train_step") or {}
+            lost = [event_id for event_id in train_step.get("batch_event_ids", ()) if event_id not in available]
+            if lost:
+                first_lost, run_id, missing = version, str(metadata["run_id"]), lost[0]
+                break
+        if first_lost is None:
+            continue
+        doomed = [version for version in versions if version >= first_lost]
+        announced_ids = _restored_event_ids(run_dir, POLICY, ends) | _restored_event_ids(run_dir, TRAIN_STEPS, ends)
+        announced = [version for version in doomed
+                     if {str(event_id_for(run_id, role, version, what)) for what in ("policy", "train-step")}
+                     & announced_ids]
+        if announced:
+            raise RunFailedError(
+                f"{run_dir}: {role} version {announced[0]} is on the restored log, but version {first_lost} was "
+                f"trained on {inputs.name} records the archive does not have (e.g. event {missing}); the trainer's "
+                "state cannot be carried over to a log without them.")
+        for version in reversed(doomed):
+            shutil.rmtree(version_dir(root, version))
+        worker = TRAINER_POSITIONS.get(role)
+        if worker is not None:
+            with engine.begin() as connection:
+                connection.execute(delete(consumer_offsets).where(consumer_offsets.c.worker == worker))
+        dropped[role] = doomed
+    return dropped
+
+
+def _restored_event_ids(run_dir: Path, topic: Topic, ends: Mapping[TopicPartition, LogPosition]) -> set[str]:
+    """The ids of the archived events of `topic` that stay on record: those of the restored log (below each
+    partition's end) and those of any other, earlier log of the topic (archived, not lost with this broker). What
+    the archive holds of the restored log at or past a partition's end (a segment written before the archiver's
+    commit) is not restored, so it does not count."""
+    directory = archive_root(run_dir) / topic.name
+    if not directory.is_dir() or not any(directory.glob("*.parquet")):
+        return set()
+    pattern = str(directory / "*.parquet").replace("'", "''")
+    with duckdb.connect() as connection:
+        rows = connection.execute(
+            f"SELECT DISTINCT event_id, \"partition\", log_id, \"offset\" FROM read_parquet('{pattern}', "
+            "union_by_name = true)").fetchall()
+    ids: set[str] = set()
+    for event_id, partition, log_id, offset in rows:
+        end = ends.get((topic.name, partition))
+        if end is None or log_id != end.log_id or offset < end.next_offset:
+            ids.add(event_id)
+    return ids
 
 
 def _reset_bank_if_ahead(engine: Engine, ends: Mapping[TopicPartition, LogPosition]) -> bool:

@@ -231,6 +231,9 @@ class RunSupervisor:
             notes.append("the bank had read past the archive and rebuilds from offset 0")
         if restored.snapshots_dropped:
             notes.append(f"{restored.snapshots_dropped} bank snapshots past the archive removed")
+        for role, versions in restored.checkpoints_dropped.items():
+            notes.append(f"{role} versions {', '.join(map(str, versions))} were trained on records past the archive: "
+                         "removed, to be trained again")
         self.console.print(f"restored {restored.records} records from the archive into the fresh broker in "
                            f"{time.monotonic() - started:.1f}s" + (f" ({'; '.join(notes)})" if notes else ""),
                            highlight=False)

@@ -6,6 +6,7 @@ named instead of carried over."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 
@@ -19,6 +20,7 @@ from infra.kafka import KafkaSettings, make_admin
 from infra.tansu import TansuBroker
 from pipeline.audit.views import Audit
 from pipeline.errors import RunFailedError
+from pipeline.rl.versions import checkpoints_root, version_dir, versions_in
 from pipeline.run.restore import commit_group_positions, restore_log
 from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.launch import build_runner
@@ -196,4 +198,33 @@ def test_a_broker_that_died_before_anything_was_archived_restores_an_empty_log_u
           pytest.raises(RunFailedError, match=r"actor_trainer read crl.trajectories\[3\] up to offset 1, the "
                                               r"archive only to 0")):
         restore_log(settings.run_dir, _with_topics(third), engine)
+    engine.dispose()
+
+
+def test_a_trainer_version_trained_on_records_past_the_archive_is_removed(archived_run, tansu_bin, tmp_path):
+    """Version 1 trained on archived episodes stays; version 2 trained on one the broker died with is removed (the
+    resumed trainer trains that step again on what the restored log holds), and the trainer's positions go with it."""
+    settings, _produced, old_ids = archived_run
+    engine = _engine(settings)
+    with Audit(settings.run_dir) as audit:
+        archived = [str(event_id) for (event_id,) in audit.query(
+            "SELECT event_id FROM trajectory_completed ORDER BY event_id")[1]]
+    assert archived, "the archived run has trajectories"
+    root = checkpoints_root(settings.run_dir, "actor")
+    for version, batch in ((0, None), (1, archived), (2, [*archived, str(uuid.uuid4())])):
+        version_dir(root, version).mkdir(parents=True)  # only the manifest's metadata is read
+        train_step = {"batch_event_ids": batch} if batch is not None else None
+        (version_dir(root, version) / "manifest.json").write_text(json.dumps(
+            {"metadata": {"run_id": RUN, "version": version, "train_step": train_step}}))
+    with engine.begin() as connection:
+        connection.execute(insert(consumer_offsets), [{
+            "worker": "actor_trainer", "topic": TRAJECTORIES.name, "partition": p, "next_offset": 0,
+            "log_id": old_ids[TRAJECTORIES.name], "updated_at": datetime.now(UTC)} for p in range(2)])
+    with TansuBroker(tansu_bin=tansu_bin, log_path=tmp_path / "second.log") as second:
+        restored = restore_log(settings.run_dir, _with_topics(second), engine)
+    assert restored.checkpoints_dropped == {"actor": [2]}
+    assert versions_in(root) == [0, 1]
+    with engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(consumer_offsets).where(
+            consumer_offsets.c.worker == "actor_trainer")).scalar() == 0
     engine.dispose()

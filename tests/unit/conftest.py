@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer, checkpoints_root, events_of
+from pipeline.rl.training import PolicyTrainer, events_of
+from pipeline.rl.versions import checkpoints_root
 from schemas.base import Event, Producer
 from workers.actor_trainer import ClosedStep, actor_update
 

@@ -19,7 +19,8 @@ from pipeline.models.lora import is_lora
 from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer, checkpoints_root, version_dir
+from pipeline.rl.training import PolicyTrainer
+from pipeline.rl.versions import checkpoints_root, version_dir
 from schemas.base import Event, Producer
 from schemas.topics import topic_of
 from workers.actor_trainer import ClosedStep, actor_update
