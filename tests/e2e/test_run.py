@@ -3,15 +3,18 @@ is replayed, audited and reported from what it left in its run directory."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.audit.views import Audit
+from pipeline.tracking.readback import mlflow_entries, tensorboard_entries, wandb_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -120,3 +123,57 @@ def test_the_report_is_written(finished_run, tmp_path):
     again = _crl("report", str(run_dir), "--out", str(tmp_path / "again"), env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert (tmp_path / "again" / "report.html").exists()
+
+
+def _same_entries(written: dict, expected: dict) -> list[str]:
+    """Keys whose values differ (TensorBoard keeps scalars as float32)."""
+    assert set(written) == set(expected), sorted(set(written) ^ set(expected))[:10]
+    return [key for key, value in expected.items()
+            if (float(np.float32(value)) != float(np.float32(written[key])) if key.startswith("scalar")
+                else written[key] != value)]
+
+
+def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl_track_rebuilds_them(finished_run,
+                                                                                                     tmp_path):
+    run_dir, env, _output = finished_run
+    live = tensorboard_entries(run_dir / "tensorboard")
+    with Audit(run_dir) as audit:
+        losses = audit.query("SELECT step, loss FROM train_steps WHERE role = 'actor'")[1]
+        rollout = audit.query("SELECT step, guided, avg(success::DOUBLE) FROM trajectories WHERE split = 'train' "
+                              "GROUP BY step, guided")[1]
+        evaluation = audit.query("SELECT step, avg(success::DOUBLE) FROM trajectories WHERE split = 'eval' "
+                                 "GROUP BY step")[1]
+    assert len(losses) == 2 and len(rollout) == 6 and len(evaluation) == 2, (losses, rollout, evaluation)
+    expected = {f"scalar\ttrain/actor/loss\t{step}": loss for step, loss in losses}
+    expected |= {f"scalar\trollout/success_{'guided' if guided else 'free'}\t{step}": rate
+                 for step, guided, rate in rollout}
+    expected |= {f"scalar\teval/success\t{step}": rate for step, rate in evaluation}
+    assert _same_entries({key: live[key] for key in expected}, expected) == []
+    for step in (2, 3):  # the guided steps show the bank they were served from, and sample episodes
+        assert live[f"scalar\tbank/size\t{step}"] > 0 and f"text\trollout/samples\t{step}" in live
+    assert "served experience: " in live["text\trollout/samples\t3"]
+    assert {"scalar\textractor/reward\t1", "scalar\textractor/parse_ok\t1", "text\trun/config\t0"} <= set(live)
+
+    rebuilt = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    assert _same_entries(tensorboard_entries(tmp_path / "rebuilt" / "tensorboard"), live) == []
+    again = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
+    assert "wrote 0 entries" in again.stdout, "the ledger keeps a second load from writing anything twice"
+
+
+def test_crl_track_loads_the_run_into_wandb_and_mlflow_with_the_same_scalars(finished_run, tmp_path):
+    run_dir, env, _output = finished_run
+    missing = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name) is None]
+    if missing:
+        message = f"{missing} not installed (pip install -e '.[tracking]')"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    loaded = _crl("track", str(run_dir), "--backend", "wandb", "--backend", "mlflow", "--out", str(tmp_path), env=env)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+    live = tensorboard_entries(run_dir / "tensorboard")
+    scalars = {key: value for key, value in live.items() if key.startswith("scalar")}
+    assert _same_entries(mlflow_entries(f"sqlite:///{tmp_path / 'mlflow.db'}", run_dir.name), scalars) == []
+    from_wandb = wandb_entries(tmp_path)
+    assert _same_entries({key: value for key, value in from_wandb.items() if key.startswith("scalar")}, scalars) == []
+    assert {key for key in from_wandb if key.startswith("text")} == {key for key in live if key.startswith("text")}
