@@ -16,7 +16,7 @@ from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES, TOPICS, Topic, topic_named, topic_of
-from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 
 __all__ = [
@@ -24,6 +24,6 @@ __all__ = [
     "EventDecodeError", "ExperienceAdded", "ExperienceMerged", "ExperienceRef", "ExperienceRefined",
     "ExperienceRetired", "ExtractionGenerated", "Float16s", "Id", "LogProbs", "MergeRequested", "PolicyPublished",
     "Producer", "RunFinished", "RunResumed", "RunStarted", "StopRequested", "Timings", "TokenIds", "Topic",
-    "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "decode", "encode", "topic_named",
-    "topic_of",
+    "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "WarmStartProgressed", "decode",
+    "encode", "topic_named", "topic_of",
 ]

@@ -23,7 +23,7 @@ from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES
-from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
 
 
@@ -91,6 +91,8 @@ def example_events(run_id: str = "example-run") -> list[Event]:
                            weight_hash_before=_sha("w1"), weight_hash_after=_sha("w2"), loss=-0.0123, tokens=812,
                            loss_variant="grpo", aggregation="token-mean",
                            metrics={"train/clip_fraction": 0.03, "rollout/success_guided": 0.75}),
+        WarmStartProgressed(**common, role="actor", phase="train", done=120, total=250, loss=1.234,
+                            elapsed_s=61.5),
         BankSnapshotWritten(**common, next_offset=40, state_hash=_sha("bank-40"), uri="file:///runs/r/bank/snap-40",
                             active_experiences=17, ops_applied=38),
         DeadLetter(**common, source_topic="crl.trajectories", source_partition=3, source_offset=118,

@@ -21,7 +21,7 @@ from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRef
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
 from schemas.tasks import EpisodeAssigned
-from schemas.training import PolicyPublished, TrainStepCompleted
+from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import TrajectoryCompleted
 
 FOREVER = -1
@@ -37,7 +37,7 @@ ExperienceOp = Annotated[
     ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired, Field(discriminator="kind")
 ]
 PolicyEvent = PolicyPublished
-TrainStepEvent = TrainStepCompleted
+TrainStepEvent = Annotated[TrainStepCompleted | WarmStartProgressed, Field(discriminator="kind")]
 BankSnapshotEvent = BankSnapshotWritten
 DeadLetterEvent = DeadLetter
 
@@ -143,11 +143,12 @@ POLICY = Topic(
 TRAIN_STEPS = Topic(
     name="crl.train-steps",
     partitions=1,
-    events=(TrainStepCompleted,),
+    events=(TrainStepCompleted, WarmStartProgressed),
     adapter=TRAIN_STEP_EVENTS,
     key=lambda e: e.role,
     retention_ms=FOREVER,
-    description="Every optimiser step: its batch in order, weight hashes before/after, metrics.",
+    description="Every optimiser step: its batch in order, weight hashes before/after, metrics; and how far each "
+    "trainer's warm start has come.",
 )
 BANK_SNAPSHOTS = Topic(
     name="crl.bank-snapshots",

@@ -1,4 +1,5 @@
-"""Policy versions and training steps (`crl.policy`, `crl.train-steps`); the two trainers produce them."""
+"""Policy versions, training steps and warm-start progress (`crl.policy`, `crl.train-steps`); the two trainers
+produce them."""
 
 from __future__ import annotations
 
@@ -56,4 +57,34 @@ class TrainStepCompleted(Event):
             values = getattr(self, name)
             if values and len(values) != len(self.batch_event_ids):
                 raise ValueError(f"{len(values)} {name} for {len(self.batch_event_ids)} batch events")
+        return self
+
+
+WarmStartPhase = Literal["data", "train", "done"]
+"""Where a warm start is: playing its data episodes, taking its fine-tuning steps, or finished."""
+
+
+class WarmStartProgressed(Event):
+    """How far a trainer's warm start has come (`pipeline.rl.warm_start`), published while it builds version 0 so
+    the live view can show it: the first and the last of each phase and at most about one a second between them.
+    The id is derived from (run, role, phase, done), so a restarted trainer that reaches the same point again
+    publishes it under the same id. Nothing is replayed from these: the warm start's result is version 0's
+    checkpoint."""
+
+    kind: Literal["WarmStartProgressed"] = "WarmStartProgressed"
+    schema_version: Literal[1] = 1
+    role: Role
+    phase: WarmStartPhase = Field(description="'data': playing data episodes; 'train': fine-tuning; 'done'.")
+    done: NonNegativeInt = Field(description="Episodes played (data) or steps taken (train, done) so far.")
+    total: NonNegativeInt = Field(description="Episodes to play (data) or steps to take (train, done).")
+    loss: float | None = Field(
+        default=None, description="The latest step's loss (train; done: the last step's); None in phase data.")
+    cached: bool = Field(
+        default=False, description="The result was loaded from the warm-start cache (then only `done` is published).")
+    elapsed_s: float = Field(ge=0, description="Seconds since the warm start began.")
+
+    @model_validator(mode="after")
+    def _done_within_total(self) -> WarmStartProgressed:
+        if self.done > self.total:
+            raise ValueError(f"done {self.done} is more than total {self.total}")
         return self

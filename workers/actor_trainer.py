@@ -120,8 +120,8 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
         return None
     from pipeline.rl.warm_start import warm_start_actor
 
-    return lambda policy: warm_start_actor(policy, warm, settings.envs.tasks, settings.envs,
-                                           settings.rollout.history_turns)
+    return lambda policy, progress: warm_start_actor(policy, warm, settings.envs.tasks, settings.envs,
+                                                     settings.rollout.history_turns, progress)
 
 
 class ActorTrainer(Worker):
@@ -138,6 +138,7 @@ class ActorTrainer(Worker):
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
                                      warm_start=actor_warm_start(context.settings),
+                                     announce=context.announce,
                                      parallel=context.parallel,
                                      temperature=context.settings.rollout.generation.temperature)
         self.collector = StepCollector(

@@ -62,8 +62,8 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
         return None
     from pipeline.rl.warm_start import warm_start_extractor
 
-    return lambda policy: warm_start_extractor(policy, warm, settings.envs.tasks, settings.envs,
-                                               settings.extractor)
+    return lambda policy, progress: warm_start_extractor(policy, warm, settings.envs.tasks, settings.envs,
+                                                         settings.extractor, progress)
 
 
 class ExtractorTrainer(Worker):
@@ -81,6 +81,7 @@ class ExtractorTrainer(Worker):
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
                                      warm_start=extractor_warm_start(context.settings),
+                                     announce=context.announce,
                                      parallel=context.parallel,
                                      temperature=context.settings.extractor.generation.temperature)
         self.join = ExtractorJoin()

@@ -53,6 +53,7 @@ from pipeline.rl.update import (
     policy_step,
 )
 from pipeline.rl.versions import event_id_for, version_dir, versions_in
+from pipeline.rl.warm_progress import Announce, Progress, WarmStartReporter, no_progress
 from pipeline.runtime.log import Log, events_to_end
 from schemas.base import Event, Producer, Role
 from schemas.extractions import ExtractionGenerated
@@ -91,9 +92,9 @@ def initial_policy(model: ModelSettings) -> TransformersPolicy:
     return build_tiny(model.tiny, device=model.device, corpus=corpus)
 
 
-WarmStart = Callable[[TransformersPolicy], tuple[TransformersPolicy, dict[str, Any]]]
-"""Fine-tunes a freshly built policy before it becomes version 0; returns it and what it did
-(`pipeline.rl.warm_start`)."""
+WarmStart = Callable[[TransformersPolicy, Progress], tuple[TransformersPolicy, dict[str, Any]]]
+"""Fine-tunes a freshly built policy before it becomes version 0, telling `Progress` how far it has come; returns
+it and what it did (`pipeline.rl.warm_start`)."""
 
 
 @dataclass
@@ -170,6 +171,9 @@ class PolicyTrainer:
     run_id: str
     producer: Producer
     warm_start: WarmStart | None = None
+    announce: Announce | None = None
+    """Publishes the warm start's progress while version 0 is being made (`WorkerContext.announce`); None: it is
+    not published."""
     temperature: float = 1.0
     """The sampling temperature of the role's generation section (recorded in every checkpoint)."""
     parallel: DataParallel | None = None
@@ -212,7 +216,9 @@ class PolicyTrainer:
         warm_start = None
         if self.warm_start is not None:
             deterministic_torch(self.settings.threads)  # the trainer's thread count, not torch's default
-            policy, warm_start = self.warm_start(policy)
+            progress: Progress = no_progress if self.announce is None else \
+                WarmStartReporter(self.run_id, self.role, self.producer, self.announce)
+            policy, warm_start = self.warm_start(policy, progress)
         if self.settings.model.lora.rank > 0:
             # Version 0 is the base in full; the adapter the trainer wraps around it starts as the identity.
             version = self._write(policy, None, version=0, step=0, train_step=None, warm_start=warm_start)

@@ -26,7 +26,9 @@ Everything is seeded, so the same settings give the same weights; the result is 
 environments' own options and task pools, the initial weights, the thread count and the source of the modules that
 form the samples; not the run's task seed, which the data episodes do not use), and a cache hit loads
 byte-identical weights. The trainer records the warm start's statistics in version 0's checkpoint metadata,
-and `RunStarted` carries the settings.
+and `RunStarted` carries the settings. While it runs, it tells a `Progress` how far it has come (episodes played,
+steps taken and their loss, then done or loaded from the cache); the trainer publishes that as
+`WarmStartProgressed` (`pipeline.rl.warm_progress`), which the live view of `crl run` shows.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.rl.settings import WarmStartSettings
 from pipeline.rl.update import make_optimizer
+from pipeline.rl.warm_progress import Progress, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +141,13 @@ def _tasks(tasks: Sequence[TaskMix]) -> list[tuple[str, int]]:
 
 
 def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: int, expert_fraction: float,
-                       seed: int, plays_per_task: int = 1) -> list[DataEpisode]:
+                       seed: int, plays_per_task: int = 1, progress: Progress = no_progress) -> list[DataEpisode]:
     """`episodes` episodes on train-pool seeds, round robin over `tasks`: the solver plays `expert_fraction` of
     them (where the environment has one), the solver that knows only what the episode has shown half of the rest, and
     random actions the others; every turn is labelled with both solvers' actions. With
     `plays_per_task` > 1 the seeds come from a pool of `episodes / plays_per_task` tasks, so a task is played
     several times and one play's lesson can inform another's (what memory tasks need)."""
+    progress("data", 0, episodes)
     rng = random.Random(seed)
     pool_size = 1000 if plays_per_task == 1 else max(1, episodes // plays_per_task)
     built: dict[tuple[str, int], TextEnv] = {}
@@ -184,6 +188,7 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
                                       first_observation=first, actions=tuple(actions), success=success,
                                       truncated=truncated, revealed=env.revealed())
             played.append(DataEpisode(digest, tuple(turns)))
+            progress("data", len(played), episodes)
     finally:
         for env in built.values():
             env.close()
@@ -194,7 +199,7 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
 
 
 def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *, steps: int, batch_size: int,
-              lr: float, seed: int, system: str) -> list[float]:
+              lr: float, seed: int, system: str, progress: Progress = no_progress) -> list[float]:
     """`steps` AdamW steps of token-mean cross-entropy on the responses of (prompt, response) pairs, batches drawn
     with a seeded RNG; returns the loss of every step. Prompts are formed as the workers form them
     (`policy.prompt_ids(prompt, system)`: the chat template for a chat model), responses end as the model ends a
@@ -205,7 +210,8 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
     encoded = [(policy.prompt_ids(prompt, system), policy.response_ids(response)) for prompt, response in samples]
     optimizer = make_optimizer(policy.model, lr, 0.0, (0.9, 0.999), 1e-8)
     policy.model.train()
-    losses = []
+    losses: list[float] = []
+    progress("train", 0, steps)
     for _ in range(steps):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
         tokens = sum(len(response) for _, response in batch)
@@ -220,6 +226,7 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
         optimizer.step()
         losses.append(total)
+        progress("train", len(losses), steps, loss=total)
     policy.model.eval()
     return losses
 
@@ -336,7 +343,7 @@ def _source_modules() -> list[ModuleType]:
 
 
 def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, parts: dict[str, Any],
-            train: Callable[[], dict[str, Any]]) -> tuple[TransformersPolicy, dict[str, Any]]:
+            train: Callable[[], dict[str, Any]], progress: Progress) -> tuple[TransformersPolicy, dict[str, Any]]:
     from pipeline.models.checkpoints import load_checkpoint, save_checkpoint
 
     def trained() -> dict[str, Any]:
@@ -346,6 +353,7 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
         log.info("%s warm start: %d steps, loss %.3f -> %.3f in %.0fs; data episodes solved per family: %s", kind,
                  stats["steps"], stats["loss_first"], stats["loss_last"], stats["seconds"],
                  ", ".join(f"{f} {r:.2f}" for f, r in stats["episode_success_by_family"].items()))
+        progress("done", stats["steps"], stats["steps"], loss=stats["loss_last"])
         return stats
 
     if settings.cache_dir is None:
@@ -358,7 +366,9 @@ def _cached(kind: str, policy: TransformersPolicy, settings: WarmStartSettings, 
         if (path / "manifest.json").exists():
             loaded = load_checkpoint(path)
             log.info("%s warm start loaded from the cache %s", kind, path)
-            return loaded.policy, dict(loaded.manifest["metadata"]["warm_start"], cached=str(path))
+            stats = dict(loaded.manifest["metadata"]["warm_start"], cached=str(path))
+            progress("done", stats["steps"], stats["steps"], loss=stats.get("loss_last"), cached=True)
+            return loaded.policy, stats
         stats = trained()
         save_checkpoint(path, policy, metadata={"warm_start": stats})
     return policy, stats
@@ -382,38 +392,40 @@ def _stats(losses: list[float], samples: int, episodes: Sequence[DataEpisode]) -
 
 
 def warm_start_actor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
-                     envs: EnvSettings, history_turns: int) -> tuple[TransformersPolicy, dict[str, Any]]:
+                     envs: EnvSettings, history_turns: int,
+                     progress: Progress = no_progress) -> tuple[TransformersPolicy, dict[str, Any]]:
     """Behaviour cloning from the scripted solvers of the task mix; returns the policy and what it did."""
     from pipeline.actor.episodes import ACTOR_SYSTEM
 
     def train() -> dict[str, Any]:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
-                                      settings.plays_per_task)
+                                      settings.plays_per_task, progress)
         samples = actor_samples(episodes, history_turns, settings.seed, label_noise=settings.label_noise)
         if not samples:
             raise ConfigError(f"behaviour cloning needs a scripted solver, and none of {[t.env_id for t in tasks]}"
                               " has one (MiniHack Room and Sokoban do); set actor_trainer.warm_start.steps: 0")
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
-                           seed=settings.seed, system=ACTOR_SYSTEM)
+                           seed=settings.seed, system=ACTOR_SYSTEM, progress=progress)
         return _stats(losses, len(samples), episodes)
 
     parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": _env_options(envs),
              "history_turns": history_turns}
-    return _cached("actor", policy, settings, parts, train)
+    return _cached("actor", policy, settings, parts, train, progress)
 
 
 def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings, tasks: Sequence[TaskMix],
-                         envs: EnvSettings, extractor: ExtractorSettings) -> tuple[TransformersPolicy, dict[str, Any]]:
+                         envs: EnvSettings, extractor: ExtractorSettings,
+                         progress: Progress = no_progress) -> tuple[TransformersPolicy, dict[str, Any]]:
     """Fine-tuning on the rule-based summariser's answers; returns the policy and what it did."""
     def train() -> dict[str, Any]:
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
-                                      settings.plays_per_task)
+                                      settings.plays_per_task, progress)
         samples = extractor_samples(episodes, extractor, settings.seed)
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
-                           seed=settings.seed, system=EXTRACTOR_SYSTEM)
+                           seed=settings.seed, system=EXTRACTOR_SYSTEM, progress=progress)
         return _stats(losses, len(samples), episodes)
 
     parts = {"tasks": [t.model_dump(mode="json") for t in tasks], "envs": _env_options(envs),
              "extractor": extractor.model_dump(mode="json", include={"max_ops", "max_experience_chars",
                                                                      "max_actions_shown", "merge_chunk"})}
-    return _cached("extractor", policy, settings, parts, train)
+    return _cached("extractor", policy, settings, parts, train, progress)

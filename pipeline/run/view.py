@@ -1,5 +1,11 @@
-"""What `crl run` shows: on a terminal a live table (the run's figures, then one row per worker process), otherwise
-one summary line every 10 s."""
+"""What `crl run` shows: on a terminal a live table (a header with the elapsed time and the ETA, the run's figures,
+then one row per worker process), otherwise one summary line every 10 s with the same figures. `numbers` makes the
+figures for both.
+
+Every figure comes from the log (`RunProgress`): the warm starts' progress (`WarmStartProgressed`), the episodes of a
+step assigned and finished, success, the bank. The ETA is measured, never guessed: during the warm starts from their
+own step rate, then from the mean time between the newest train steps' last episodes times the steps left; until
+there is something to measure it is `-`."""
 
 from __future__ import annotations
 
@@ -12,16 +18,57 @@ from rich.table import Table
 
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import RunProgress
+from schemas.base import Split
+
+ETA = "ETA"
+"""The figure the live view shows in its header rather than as a row."""
 
 
-def _pair(step: int | None, guided: float | None, free: float | None) -> str:
+def _pair(progress: RunProgress, split: Split) -> str:
+    """The newest step with finished episodes of `split`: how many of its episodes have finished, and the success
+    of its guided and free ones."""
+    step, guided, free = progress.latest(progress.train if split == "train" else progress.evaluation)
     if step is None:
         return "-"
+    played, assigned = progress.episodes(step, split)
+    return f"step {step}: {played}/{assigned} done, guided {_rate(guided)}, free {_rate(free)}"
 
-    def show(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
 
-    return f"step {step}: guided {show(guided)}, free {show(free)}"
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def _warm_start(progress: RunProgress) -> str:
+    """Each trainer's warm start: `actor train 120/250 loss 1.234 | extractor data 40/64`."""
+    parts = []
+    for role, event in sorted(progress.warm.items()):
+        text = f"{role} {event.phase} {event.done}/{event.total}"
+        if event.loss is not None:
+            text += f" loss {event.loss:.3f}"
+        if event.phase == "done":
+            text += " (cached)" if event.cached else f" in {duration(event.elapsed_s)}"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def _eta(progress: RunProgress, steps: int) -> str:
+    """Time left: of the warm starts while one runs, else of the train steps not yet finished; `-` until measured."""
+    if progress.finished is not None:
+        return "done"
+    if any(event.phase != "done" for event in progress.warm.values()):
+        left = progress.warm_start_seconds_left()
+        return "-" if left is None else f"{duration(left)} (warm start)"
+    per_step = progress.step_seconds()
+    remaining = max(0, steps - len(progress.step_finished))
+    if per_step is None or remaining == 0:
+        return "-"
+    return f"{duration(per_step * remaining)} ({remaining} steps x {duration(per_step)})"
 
 
 def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str, str]:
@@ -29,12 +76,13 @@ def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str
     family's guided/free success at the newest train and eval steps)."""
     p = progress
     with lock:
-        train_step, guided, free = p.latest(p.train)
-        eval_step, eval_guided, eval_free = p.latest(p.evaluation)
-        figures = {
+        figures = {ETA: _eta(p, steps)}
+        if p.warm:
+            figures["warm start"] = _warm_start(p)
+        figures |= {
             "step": f"{p.step_issued + 1}/{steps}",
-            "train": _pair(train_step, guided, free),
-            "eval": _pair(eval_step, eval_guided, eval_free),
+            "train": _pair(p, "train"),
+            "eval": _pair(p, "eval"),
             "bank": f"{p.bank_size} active",
             "ops": " ".join(f"{k} {v}" for k, v in sorted(p.ops.items())) or "-",
             "parse": " ".join(f"{k} {v}" for k, v in sorted(p.parse.items())) or "-",
@@ -56,6 +104,7 @@ def _rate(value: float | None) -> str:
 
 
 def summary_line(figures: dict[str, str], started: float) -> str:
+    """One line of figures: `[  125s] ETA 4m10s (10 steps x 25s) | step 3/12 | train step 2: 16/16 done, ...`."""
     elapsed = time.monotonic() - started
     return f"[{elapsed:5.0f}s] " + " | ".join(f"{k} {v}" for k, v in figures.items())
 
@@ -66,9 +115,10 @@ def live_view(figures: dict[str, str], *, run_id: str, arm: str, run_dir: Path, 
     run = Table.grid(padding=(0, 2))
     run.add_column(style="bold")
     run.add_column()
-    run.add_row("run", f"{run_id}  arm {arm}  {elapsed:.0f}s  ({run_dir})")
+    run.add_row("run", f"{run_id}  arm {arm}  elapsed {duration(elapsed)}  ETA {figures.get(ETA, '-')}  ({run_dir})")
     for key, value in figures.items():
-        run.add_row(key, value)
+        if key != ETA:
+            run.add_row(key, value)
     table = Table("worker", "pid", "state", "restarts", "in", "out", "lag", title=None)
     for worker in workers:
         metrics = last_metrics(run_dir, worker.instance, 1)

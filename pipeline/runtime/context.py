@@ -7,7 +7,7 @@ the full settings object it is given (`context.settings`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,6 +22,7 @@ from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.log import Follower, Log, OnRecord
 from pipeline.runtime.offsets import SqlOffsetStore
 from pipeline.runtime.settings import RunnerSettings
+from schemas.base import Event
 from schemas.topics import Topic
 
 
@@ -77,6 +78,9 @@ class WorkerContext:
     parallel: Any = None
     """The data-parallel group (`pipeline.rl.data_parallel.DataParallel`) this worker is rank 0 of, when it was
     started under torchrun; None otherwise."""
+    announce: Callable[[Event], None] | None = None
+    """Publishes an event while the worker is still building itself, before it runs (a trainer's warm-start
+    progress): sent on the worker's own producer, flushed with its first commit. None: nowhere (the harness)."""
     _engine: Engine | None = field(default=None, repr=False)
     _followers: list[Follower] = field(default_factory=list, repr=False)
 

@@ -19,9 +19,10 @@ from pipeline.errors import ConfigError
 from pipeline.runtime.context import RuntimeSettings, WorkerContext, resolve_kafka
 from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.log import KafkaLog
-from pipeline.runtime.runner import Limits, Worker, WorkerRunner
+from pipeline.runtime.runner import Limits, Worker, WorkerRunner, event_headers
 from pipeline.runtime.transport import GroupWatch, InputLog, KafkaAssignedInput, KafkaGroupInput, KafkaOutput
-from schemas.base import Producer
+from schemas.base import Event, Producer
+from schemas.codec import encode_for_topic
 
 WorkerClass = type[Worker]
 
@@ -71,10 +72,16 @@ def build_runner(
     kafka = resolve_kafka(settings)
     instance = instance or default_instance(worker_class.name)
     log = KafkaLog(kafka, client_id=instance)
-    context = WorkerContext(settings, instance, log, follows=worker_class.follows, parallel=parallel)
+    output_log = KafkaOutput(make_producer(kafka, client_id=instance))
+
+    def announce(event: Event) -> None:
+        topic, key, value = encode_for_topic(event, settings.max_payload_bytes)
+        output_log.send(topic.name, key, value, event_headers(event))
+
+    context = WorkerContext(settings, instance, log, follows=worker_class.follows, parallel=parallel,
+                            announce=announce)
     worker = worker_class.build(context)
     input_log: InputLog | None = None
-    output_log = KafkaOutput(make_producer(kafka, client_id=instance))
     if worker_class.consumes:
         names = [topic.name for topic in worker_class.consumes]
         log_ids = {topic.name: log.log_id(topic) for topic in worker_class.consumes}

@@ -28,7 +28,7 @@ from schemas.base import Event, Producer
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import RunStarted
-from schemas.training import TrainStepCompleted
+from schemas.training import TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import TrajectoryCompleted
 
 METRIC_ALIASES = {"clip_fraction": "clip_frac", "reward_mean": "reward"}
@@ -145,6 +145,7 @@ class RunTracking:
         self._bank_cuts: dict[int, int] = {}
         """Scheduler step -> the op offset its bank stopped at (once its train episodes are all in)."""
         self._last_cut = 0
+        self._warm_steps: set[tuple[str, int]] = set()
 
     # -- the fold -------------------------------------------------------------------------------------------------
 
@@ -168,8 +169,14 @@ class RunTracking:
         return self._other(event)
 
     def _other(self, event: Event) -> list[Entry]:
-        """Event kinds the tracker shows beyond the core loop (the warm start's progress)."""
-        return []
+        """The warm start's loss against its own step (each step once: a restarted warm start repeats them)."""
+        if not isinstance(event, WarmStartProgressed) or event.loss is None or event.phase == "data":
+            return []
+        key = (event.role, event.done)
+        if key in self._warm_steps:
+            return []
+        self._warm_steps.add(key)
+        return [Scalar(f"warm_start/{event.role}/loss", event.done, event.loss, _wall(event))]
 
     def _started(self, event: RunStarted) -> list[Entry]:
         if self.started is not None:

@@ -64,6 +64,8 @@ class StepCounter(Worker):
         return cls(context.settings.run_dir)
 
     def handle(self, event, origin):
+        if event.kind != "TrainStepCompleted":
+            return ()  # the topic also carries the trainers' warm-start progress
         with self.path.open("a") as out:
             out.write(f"{event.role} {event.step}\\n")
         return ()

@@ -188,7 +188,7 @@ def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
     on a warm-started policy steps exactly as one built on that policy's saved checkpoint (as replay is)."""
     from pipeline.rl.training import TrainerStep, actor_batch
 
-    def warm(policy):
+    def warm(policy, _progress):
         policy.model.train()
         out = policy.model(torch.tensor([[1, 2, 3, 4]]))
         (out.logits.sum() * 1e6).backward()  # a huge stale gradient on every base weight

@@ -231,7 +231,8 @@ def test_the_live_view_shows_each_family_of_a_mixture_at_the_newest_step():
         return TrajectoryCompleted(
             run_id="r", producer=Producer(worker="t", instance="t"),
             trajectory_id=f"{family}-{step}-{guided}-{success}",
-            assignment_event_id="a", step=step, split=split, env_id=family, task_family=family, seed=1,
+            assignment_event_id=f"{family}-{step}-{guided}-{success}-{split}", step=step, split=split,
+            env_id=family, task_family=family, seed=1,
             group_id="g", slot=0, guided=guided, goal="g", turns=(), reward=float(success), success=success,
             num_actions=0, invalid_actions=0, truncated=False, policy_version=0,
             timings=Timings(generation_s=0, env_s=0, retrieval_s=0))

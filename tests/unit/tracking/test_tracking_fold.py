@@ -20,7 +20,7 @@ from schemas.examples import example_events
 from schemas.experiences import ExperienceAdded, ExperienceRetired
 from schemas.extractions import ExtractionGenerated
 from schemas.runs import RunStarted
-from schemas.training import TrainStepCompleted
+from schemas.training import TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import ExperienceRef, TrajectoryCompleted
 
 RUN = "track-run"
@@ -197,3 +197,17 @@ def test_a_restarted_tracker_writes_each_entry_once(tmp_path):
                for key, value in expected.items())
     [scalar_file, *_] = sorted((tmp_path / "tensorboard").iterdir())
     assert scalar_file.name.startswith("events.out.tfevents.")
+
+
+def test_the_warm_start_loss_is_shown_against_its_own_steps_once_each():
+    tracking = RunTracking()
+    tracking.add(_started(), 0)
+
+    def progress(phase: str, done: int, loss: float | None) -> WarmStartProgressed:
+        return WarmStartProgressed(run_id=RUN, producer=WHO, role="actor", phase=phase, done=done, total=250,
+                                   loss=loss, elapsed_s=1.0)
+
+    entries = [entry for event in (progress("data", 10, None), progress("train", 1, 2.5), progress("train", 250, 0.75),
+                                   progress("done", 250, 0.75), progress("train", 1, 2.5))
+               for entry in tracking.add(event, 0)]
+    assert _scalars(entries) == {("warm_start/actor/loss", 1): 2.5, ("warm_start/actor/loss", 250): 0.75}
