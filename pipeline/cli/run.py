@@ -110,7 +110,9 @@ def _supervise(settings: Settings, report: bool, resume: bool) -> None:
     for line in (*bank_lines, f"crl replay train {settings.run_dir}",
                  f"crl audit sql {settings.run_dir} \"SELECT step, guided, avg(success::INT) FROM trajectories "
                  "WHERE split = 'train' GROUP BY ALL ORDER BY ALL\"",
-                 f"crl report {settings.run_dir} runs/OTHER --out runs/compare"):
+                 f"crl report {settings.run_dir} runs/OTHER --out runs/compare",
+                 *([f"tensorboard --logdir {settings.run_dir / 'tensorboard'}"]
+                   if settings.tracker.enabled and "tensorboard" in settings.tracker.backends else [])):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     if status != "completed":
         console.print(supervisor.resume_hint(), highlight=False, soft_wrap=True)

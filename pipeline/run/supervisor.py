@@ -63,6 +63,8 @@ from infra.kafka_cluster import ApacheKafkaCluster
 from infra.kafka_security import SecuredBus
 from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.errors import ConfigError, RunFailedError
+from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings
+from pipeline.rl.versions import checkpoints_root, versions_in
 from pipeline.run.plan import planned_kinds, worker_command, worker_plan
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import LogFollower, RunProgress
@@ -72,7 +74,7 @@ from pipeline.run.view import live_view, numbers, summary_line
 from pipeline.runtime.launch import load_worker_registry
 from pipeline.runtime.log import KafkaLog, events_to_end
 from pipeline.settings import Settings
-from schemas.base import Producer
+from schemas.base import Producer, Role
 from schemas.codec import encode
 from schemas.runs import RunFinished, RunResumed, StopRequested
 from schemas.topics import CONTROL, RUNS
@@ -91,6 +93,8 @@ class RunSupervisor:
     def __init__(self, settings: Settings, console: Console, resume: bool = False) -> None:
         self.resume = resume
         self.settings = settings
+        self._warming_roles: tuple[str, ...] | None = None
+        """The trainers that warm-start in this attempt (known before their first progress event; `_warming`)."""
         self.console = console
         self.run_dir = settings.run_dir
         self.run_id = settings.resolved_run_id
@@ -422,9 +426,20 @@ class RunSupervisor:
 
     # -- the view -------------------------------------------------------------------------------------------------
 
+    def _warming(self) -> tuple[str, ...]:
+        """The trainers that will warm-start: theirs is configured and they have no version 0 yet."""
+        trainers: tuple[tuple[Role, ActorTrainerSettings | ExtractorTrainerSettings], ...] = (
+            ("actor", self.settings.actor_trainer),
+            ("extractor", self.settings.extractor_trainer))
+        return tuple(role for role, trainer in trainers
+                     if trainer.warm_start.steps > 0 and (role == "actor" or self.settings.scheduler.arm != "grpo")
+                     and not versions_in(checkpoints_root(self.settings.run_dir, role)))
+
     def _figures(self) -> dict[str, str]:
         lock = self.follower.lock if self.follower is not None else threading.Lock()
-        return numbers(self.progress, lock, self.settings.scheduler.steps)
+        if self._warming_roles is None:
+            self._warming_roles = self._warming()
+        return numbers(self.progress, lock, self.settings.scheduler.steps, self._warming_roles)
 
     def summary_line(self) -> str:
         return summary_line(self._figures(), self.started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Group
@@ -44,9 +45,10 @@ def duration(seconds: float) -> str:
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
-def _warm_start(progress: RunProgress) -> str:
-    """Each trainer's warm start: `actor train 120/250 loss 1.234 | extractor data 40/64`."""
-    parts = []
+def _warm_start(progress: RunProgress, warming: Sequence[str] = ()) -> str:
+    """Each trainer's warm start: `actor train 120/250 loss 1.234 | extractor data 40/64`; a trainer expected to
+    warm-start that has published nothing yet is `starting` (its process imports torch and builds the model)."""
+    parts = [f"{role} starting" for role in warming if role not in progress.warm]
     for role, event in sorted(progress.warm.items()):
         text = f"{role} {event.phase} {event.done}/{event.total}"
         if event.loss is not None:
@@ -71,14 +73,15 @@ def _eta(progress: RunProgress, steps: int) -> str:
     return f"{duration(per_step * remaining)} ({remaining} steps x {duration(per_step)})"
 
 
-def numbers(progress: RunProgress, lock: threading.Lock, steps: int) -> dict[str, str]:
+def numbers(progress: RunProgress, lock: threading.Lock, steps: int,
+            warming: Sequence[str] = ()) -> dict[str, str]:
     """The run's figures, one line each, as the live view and the summary line show them (a mixture adds each
     family's guided/free success at the newest train and eval steps)."""
     p = progress
     with lock:
         figures = {ETA: _eta(p, steps)}
-        if p.warm:
-            figures["warm start"] = _warm_start(p)
+        if p.warm or (warming and p.step_issued < 0):
+            figures["warm start"] = _warm_start(p, warming if p.step_issued < 0 else ())
         figures |= {
             "step": f"{p.step_issued + 1}/{steps}",
             "train": _pair(p, "train"),

@@ -14,6 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import InvalidArgumentError
+
 _SCALAR, _TEXT = "scalar", "text"
 
 
@@ -53,7 +55,7 @@ def _log_records(path: Path) -> list[bytes]:
     chunks, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
     data = path.read_bytes()
     if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B transaction log")
+        raise InvalidArgumentError(f"{path} is not a W&B transaction log (it does not start with :W&B)")
     records: list[bytes] = []
     position, block, pending = 7, 32768, b""
     while position + 7 <= len(data):

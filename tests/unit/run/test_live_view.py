@@ -66,8 +66,12 @@ def test_the_warm_starts_show_phase_step_loss_and_an_eta_from_their_own_step_rat
     progress = RunProgress("r")
     figures = _figures(progress)
     assert "warm start" not in figures and figures["ETA"] == "-" and figures["train"] == "-"
+    starting = numbers(progress, threading.Lock(), 12, warming=("actor", "extractor"))
+    assert starting["warm start"] == "actor starting | extractor starting", "before their first progress event"
     figures = _figures(progress, _warm("actor", "data", 0, 256, 0.0))
     assert figures["warm start"] == "actor data 0/256" and figures["ETA"] == "-"
+    assert numbers(progress, threading.Lock(), 12, warming=("actor", "extractor"))["warm start"] == \
+        "extractor starting | actor data 0/256"
     figures = _figures(progress, _warm("actor", "train", 0, 250, 10.0), _warm("actor", "train", 100, 250, 60.0, 1.234),
                        _warm("extractor", "data", 40, 64, 20.0))
     assert figures["warm start"] == "actor train 100/250 loss 1.234 | extractor data 40/64"
