@@ -127,7 +127,7 @@ def extractor_load(stop) -> None:  # type: ignore[no-untyped-def]
     prompt = "Goal: reach the staircase down\nOutcome: SUCCESS\nWrite lessons as ops.\n<answer>"
     calls = 0
     while not stop.is_set():
-        extractor.generate([prompt] * 8, SamplingParams(max_new_tokens=32), seed=calls)
+        extractor.generate([prompt] * 8, SamplingParams(max_new_tokens=32), seeds=range(8 * calls, 8 * calls + 8))
         calls += 1
 
 

@@ -117,23 +117,25 @@ def generation(precision: str, threads: int) -> dict:
     trainer_policy = initial_policy(ModelSettings(preset="smollm2-135m-instruct"))
     policy = trainer_policy.for_generation(precision)
     prompts = actor_prompts(8, policy)
-    policy.generate(prompts[:2], SamplingParams(max_new_tokens=2), seed=0)  # warm-up
+    policy.generate(prompts[:2], SamplingParams(max_new_tokens=2), seeds=[0, 1])  # warm-up
     started = time.perf_counter()
-    policy.generate(prompts, SamplingParams(max_new_tokens=1), seed=1)
+    policy.generate(prompts, SamplingParams(max_new_tokens=1), seeds=range(len(prompts)))
     prefill_s = time.perf_counter() - started
     started = time.perf_counter()
-    generations = policy.generate(prompts, SamplingParams(max_new_tokens=32), seed=1)
+    generations = policy.generate(prompts, SamplingParams(max_new_tokens=32), seeds=range(len(prompts)))
     generate_s = time.perf_counter() - started
     new_tokens = sum(len(g.token_ids) for g in generations)
     result = {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": prefill_s, "generate_s": generate_s,
               "new_tokens": new_tokens, "decode_steps": max(len(g.token_ids) for g in generations)}
     # A second turn: what a session saves. Turn 1 then turn 2 (turn 1's prompt, its answer, a new observation).
     sessions = list(range(len(prompts))) if precision == "bfloat16" else None  # the before prefilled every turn
-    first = policy.generate(prompts, SamplingParams(max_new_tokens=6, stop=("\n",)), seed=2, sessions=sessions)
+    first = policy.generate(prompts, SamplingParams(max_new_tokens=6, stop=("\n",)), seeds=range(len(prompts)),
+                            sessions=sessions)
     follow_up = policy.encode("\nObservation: you moved. Action:")
     second = [list(g.prompt_token_ids) + list(g.token_ids) + follow_up for g in first]
     run_before = policy.prompt_tokens_run
-    policy.generate(second, SamplingParams(max_new_tokens=6, stop=("\n",)), seed=3, sessions=sessions)
+    policy.generate(second, SamplingParams(max_new_tokens=6, stop=("\n",)),
+                    seeds=range(len(prompts), 2 * len(prompts)), sessions=sessions)
     result["turn_prompt_tokens_run_share"] = (policy.prompt_tokens_run - run_before) / sum(len(p) for p in second)
     # Recorded log-probs against the trainer's recomputation of the same tokens.
     scored = [g for g in generations if g.token_ids]
@@ -177,7 +179,8 @@ def update(mode: str, prompts: int, steps: int, threads: int) -> dict:
     policy = initial_policy(settings.model)
     prompt_ids = actor_prompts(prompts, policy)
     step = TrainerStep(policy, settings, temperature=1.0)  # wraps the LoRA adapter when asked (identity at start)
-    generations = step.policy.generate(prompt_ids, SamplingParams(max_new_tokens=16, temperature=1.0), seed=0)
+    generations = step.policy.generate(prompt_ids, SamplingParams(max_new_tokens=16, temperature=1.0),
+                                       seeds=range(len(prompt_ids)))
     samples = [Sample(tuple(g.prompt_token_ids), tuple(g.token_ids), tuple(g.logprobs), 1.0 if i % 2 else -1.0)
                for i, g in enumerate(generations)]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)

@@ -136,7 +136,7 @@ def extractor_scores(settings: Settings, steps: int, held_out: int) -> tuple[flo
                                                         max_actions=x.max_actions_shown), EXTRACTOR_SYSTEM))
     generations = policy.generate(prompts, SamplingParams(
         max_new_tokens=x.generation.max_new_tokens, temperature=x.generation.temperature, stop=(ANSWER_STOP,)),
-        seed=0)
+        seeds=range(len(prompts)))
     parsed = revealing = stated = 0
     for episode, shown, generation in zip(episodes, shown_all, generations, strict=True):
         try:

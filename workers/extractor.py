@@ -10,6 +10,9 @@ trajectory's query (goal + first observation), `refine` becomes `ExperienceRefin
 extractor was shown (`pipeline.extractor.ops`). The worker publishes `ExtractionGenerated` (prompt and response
 token ids, sampling log-probs, parse status, op ids) and then its ops. Ids derive from the trajectory id, so a
 re-processed trajectory repeats the same ids and the bank and the extractor trainer treat the repeat as a duplicate.
+Each generation samples from its own stream, keyed by `extractor.generation.seed` and its trajectory id (a merge
+chunk: the merge's step, the family and the chunk index; `pipeline.extractor.protocol.distill_seed` / `merge_seed`),
+so neither its batch, nor the instance, nor how many calls came before changes what it draws.
 
 Capacity: when the active bank would exceed `capacity`, the oldest experiences are retired (`ExperienceRetired`,
 reason `capacity`), first in, first out.
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -49,8 +51,10 @@ from pipeline.extractor.protocol import (
     TrajectoryDigest,
     distill_generation_id,
     distill_prompt,
+    distill_seed,
     merge_generation_id,
     merge_prompt,
+    merge_seed,
     parse_distill,
     parse_merge,
 )
@@ -93,14 +97,12 @@ class Extractor(Worker):
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.follower = PolicyFollower(context.follow, "extractor")
         self.generation = self.settings.generation
-        self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
         limit_threads(self.generation.threads)
         self.sampling = SamplingParams(
             max_new_tokens=self.generation.max_new_tokens, temperature=self.generation.temperature,
             top_p=self.generation.top_p, top_k=self.generation.top_k, stop=(ANSWER_STOP,))
         self.policy: PolicyModel | None = None
         self.version = -1
-        self.calls = 0
         self.replica: BankReplica | None = None
         self.encoder: SentenceTransformer | None = None
         self.held: list[tuple[TrajectoryCompleted | MergeRequested, Origin]] = []
@@ -179,17 +181,16 @@ class Extractor(Worker):
         if newer is None:
             return
         policy = self.follower.load(newer, self.generation.backend, self.generation.device,
-                                    micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
+                                    micro_batch_size=self.generation.micro_batch, seed=self.generation.seed,
                                     keeping=self.version, current=self.policy, precision=self.generation.precision)
         if policy is not None:
             self.policy, self.version = policy, newer.version
 
-    def _generate(self, prompts: list[str]) -> list[Generation]:
+    def _generate(self, prompts: list[str], seeds: list[int]) -> list[Generation]:
+        """One batched generation; row `i` samples from its own stream `seeds[i]` (`distill_seed`, `merge_seed`)."""
         assert self.policy is not None
-        generations = self.policy.generate([self.policy.prompt_ids(p, EXTRACTOR_SYSTEM) for p in prompts],
-                                           self.sampling, seed=(self.seed_base + self.calls) % 2**31)
-        self.calls += 1
-        return generations
+        return self.policy.generate([self.policy.prompt_ids(p, EXTRACTOR_SYSTEM) for p in prompts],
+                                    self.sampling, seeds=seeds)
 
     def _keys(self, texts: list[str]) -> list[EmbeddingVector]:
         if not texts:
@@ -230,7 +231,8 @@ class Extractor(Worker):
                                   max_actions=s.max_actions_shown)
                    for t, shown_t in zip(trajectories, shown, strict=True)]
         started = time.perf_counter()
-        generations = self._generate(prompts)
+        generations = self._generate(prompts, [distill_seed(self.generation.seed, t.trajectory_id)
+                                               for t in trajectories])
         seconds = time.perf_counter() - started
         parsed_all: list[tuple[list[DistillOp], str | None]] = []
         for shown_t, generation in zip(shown, generations, strict=True):
@@ -292,17 +294,18 @@ class Extractor(Worker):
                 queue = queue[take:]
                 if len(members) < 2:
                     break
-                generation_id = merge_generation_id(request.merge_id, family, chunk)
+                carry = self._merge_chunk(io, request, family, chunk, members)
                 chunk += 1
-                carry = self._merge_chunk(io, request, family, generation_id, members)
                 generations += 1
         io.commit()
         log.info("merge %s: %d generations in %.2fs", request.merge_id, generations, time.perf_counter() - started)
 
-    def _merge_chunk(self, io: WorkerIO, request: MergeRequested, family: str, generation_id: str,
+    def _merge_chunk(self, io: WorkerIO, request: MergeRequested, family: str, chunk: int,
                      members: list[Shown]) -> Shown | None:
-        """One merge generation over `members`; returns what slides into the next chunk."""
-        generation = self._generate([merge_prompt(family, [m.text for m in members])])[0]
+        """Merge generation `chunk` of `family` over `members`; returns what slides into the next chunk."""
+        generation_id = merge_generation_id(request.merge_id, family, chunk)
+        generation = self._generate([merge_prompt(family, [m.text for m in members])],
+                                    [merge_seed(self.generation.seed, request.step, family, chunk)])[0]
         error = None
         try:
             parsed = parse_merge(generation.text, len(members), max_chars=self.settings.max_experience_chars)

@@ -11,7 +11,9 @@ poll (`after_poll`, without blocking while episodes are in flight):
    index search) while the episodes already in flight keep playing; each records the served refs and the bank
    offset they came from;
 3. play one turn of every episode in flight that is ready with **one batched generation** (prompt: goal, the
-   experience if guided, the last actions, the observation), parse each response into an action, step the
+   experience if guided, the last actions, the observation), each episode sampling from its own stream (the run's
+   `rollout.generation.seed`, its trajectory id and the turn: `pipeline.actor.episodes.turn_seed`, so neither the
+   batch nor the number of workers changes its tokens), parse each response into an action, step the
    environments. A guided episode joins once its experience is there, or with nothing after
    `CRL_ROLLOUT__RETRIEVAL_WAIT_S` (then its trajectory has no refs and a null bank offset); the loop waits on
    retrieval only when every episode in flight is waiting, and no longer than that;
@@ -36,7 +38,6 @@ the replica waits up to `replica_wait_s` to catch up).
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -74,11 +75,10 @@ class Rollout(Worker):
         self.run_id = context.settings.resolved_run_id
         self.follower = PolicyFollower(context.follow, "actor")
         self.generation = self.settings.generation
-        self.seed_base = (self.generation.seed * 1_000_003 + zlib.crc32(context.instance.encode())) % 2**31
         limit_threads(self.generation.threads)
         self.player = EpisodePlayer(self.settings, context.settings.envs, run_id=self.run_id,
                                     producer=Producer(worker=self.name, instance=context.instance),
-                                    seed=self.seed_base)
+                                    seed=self.generation.seed)
         self.queue: deque[tuple[EpisodeAssigned, Origin]] = deque()
         self.finished_window: list[TrajectoryCompleted] = []
         self._replica: BankReplica | None = None
@@ -140,7 +140,7 @@ class Rollout(Worker):
 
     def _load(self, event: PolicyPublished) -> None:
         policy = self.follower.load(event, self.generation.backend, self.generation.device,
-                                    micro_batch_size=self.generation.micro_batch, seed=self.seed_base,
+                                    micro_batch_size=self.generation.micro_batch, seed=self.generation.seed,
                                     keeping=self.player.version, current=self.player.policy,
                                     precision=self.generation.precision)
         if policy is not None:

@@ -19,14 +19,21 @@ the offset it searched). `play_turn` waits on retrieval only when every episode 
 first retrieval comes back or the first wait runs out (`stats.blocked_s` adds that time up). An `ask` goes the same
 way: the episode sits out until the answer is there (or gets the no-answer reply after the same wait).
 
-Determinism: sampling is seeded per generate call (`seed + calls`) and per row (`row_seed`), so an episode's tokens
-are a function of its prompts and of the (call, row) pairs it was sampled at. Its prompts (goal, observations, the
-experience served) do not depend on when it joins: the experience is what the retrieval served, and retrievals are
-served in queue order with the same ranking as when they were synchronous. Which call an episode starts on, and the
-rows of every episode in a call, did already depend on arrival timing in a worker (polls, episodes finishing); they
-now also depend on retrieval latency, and in direct use of the player (tests, benchmarks) with guided episodes they
-now depend on timing where they did not before. Free episodes with no retriever in play are as deterministic as
-before. Making tokens independent of batch composition altogether needs per-episode seeds in `generate`.
+Determinism: every random draw of an episode comes from streams keyed by the run's sampling seed
+(`rollout.generation.seed`, the player's `seed`) and the episode's identity, never by what shares its batch, how
+many generate calls came before, how many workers play or when anything happened. Turn `t` of the episode with
+trajectory id `<group_id>-k<slot>` samples with `turn_seed(seed, episode_id(assignment), t)`, its own row seed in
+`PolicyModel.generate`. What else could vary is fixed upstream: the environment's task seed and whether the slot is
+guided come from the schedule (`pipeline.actor.schedule`, pure functions of the settings and the step), and the
+environments are seeded from the task seed alone (`TextEnv.reset(seed)`). Nothing else in an episode draws at
+random: action parsing is a pure function of the response, and retrieval ranks by score with fixed tie-breaks
+(`pipeline.bank.retrieval.diversify`); the experience served is a function of the bank state it was served from
+(the recorded `bank_offset`) and of the retriever's serve counts (which episodes were served before it), not of a
+random stream. So an episode's tokens and rewards are a function of its prompts, which are its observations and
+what the bank served it, and of `(seed, episode id, turn)`: played alone,
+in any batch, or by another worker, it draws the same tokens up to float near-ties in the batched forward pass
+(the tiny model on CPU: none observed, `tests/workers/test_episode_streams.py`). A guided episode that waits for its
+retrieval joins a later generate call; that changes its timings, not its tokens.
 
 The prompt holds the goal, the served experience (guided episodes), the last actions and the observation (a chat
 model gets it as the user message of its chat template, after `ACTOR_SYSTEM`); the recorded `Turn.observation` is
@@ -58,7 +65,7 @@ from pipeline.envs.base import TextEnv
 from pipeline.envs.registry import make_env
 from pipeline.envs.settings import EnvSettings
 from pipeline.errors import EngineCrashedError, InvalidStateError
-from pipeline.models.base import PolicyModel, SamplingParams
+from pipeline.models.base import PolicyModel, SamplingParams, stream_seed
 from pipeline.runtime.transport import Position
 from schemas.base import Producer
 from schemas.tasks import EpisodeAssigned
@@ -117,6 +124,21 @@ class Episode:
     """The environment's own progress score after the last step, where it keeps one."""
     env_error: str | None = None
     """Why its engine failed it (`EngineCrashedError`): the episode ended there, as a failure."""
+
+
+def episode_id(assignment: EpisodeAssigned) -> str:
+    """The episode's identity within its run, `<group_id>-k<slot>`: its trajectory id. The scheduler derives the group
+    id from the step and the group's index (`pipeline.actor.schedule`), so the id does not depend on the run id (a
+    run directory's name carries its start time) nor on the assignment's event id (random outside the scheduler)."""
+    return f"{assignment.group_id}-k{assignment.slot}"
+
+
+def turn_seed(seed: int, episode: str, turn: int) -> int:
+    """The row seed of turn `turn` (0 for the first generation, asks included) of the episode `episode` (its
+    `episode_id`) in a run whose sampling seed is `seed` (`rollout.generation.seed`):
+    `stream_seed("actor-turn", seed, episode, turn)`, 63 bits. A pure function of those three, so the episode
+    samples the same tokens whatever shares its generate calls and whichever worker plays it."""
+    return stream_seed("actor-turn", seed, episode, turn)
 
 
 def actor_prompt(episode: Episode, history_turns: int, asks_left: int) -> str:
@@ -259,6 +281,8 @@ class EpisodePlayer:
 
     def __init__(self, settings: RolloutSettings, envs: EnvSettings, *, run_id: str,
                  producer: Producer, retriever: Retriever | None = None, seed: int = 0) -> None:
+        """`seed` is the run's sampling seed (`rollout.generation.seed`): with each episode's id and turn it keys
+        the episode's sampling streams (`turn_seed`)."""
         self.settings = settings
         self.envs = EnvPool(envs)
         self.run_id = run_id
@@ -405,7 +429,9 @@ class EpisodePlayer:
         started = time.perf_counter()
         # Each episode is a session: its next prompt shares the system message, goal and experience with its last,
         # whose keys and values the policy kept (`PolicyModel.generate`), so only the rest is prefilled again.
-        generations = self.policy.generate(prompts, self.sampling, seed=(self.seed + self.calls) % 2**31,
+        # Each row samples from its episode's own stream for this turn, whatever else is in the batch.
+        seeds = [turn_seed(self.seed, episode_id(e.assignment), len(e.turns)) for e in ready]
+        generations = self.policy.generate(prompts, self.sampling, seeds=seeds,
                                            sessions=[e.assignment.event_id for e in ready])
         self.calls += 1
         share = (time.perf_counter() - started) / len(ready)
@@ -461,7 +487,7 @@ class EpisodePlayer:
         revealed = episode.env.revealed() if episode.env_error is None else ()
         self.envs.put(a, episode.env)
         return TrajectoryCompleted(
-            run_id=self.run_id, producer=self.producer, trajectory_id=f"{a.group_id}-k{a.slot}",
+            run_id=self.run_id, producer=self.producer, trajectory_id=episode_id(a),
             assignment_event_id=str(a.event_id), step=a.step, split=a.split, env_id=a.env_id,
             task_family=a.task_family, seed=a.seed, group_id=a.group_id, slot=a.slot, guided=a.guided,
             goal=episode.goal, turns=tuple(episode.turns), reward=episode.outcome_reward, success=episode.success,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pipeline.errors import ParseError
+from pipeline.models.base import stream_seed
 from schemas.trajectories import TrajectoryCompleted
 
 T = TypeVar("T")
@@ -245,6 +246,20 @@ def distill_generation_id(run_id: str, trajectory_id: str) -> str:
 
 def merge_generation_id(merge_id: str, task_family: str, chunk: int) -> str:
     return f"{merge_id}-{task_family}-c{chunk:03d}"
+
+
+def distill_seed(seed: int, trajectory_id: str) -> int:
+    """The row seed of the distil generation over `trajectory_id` in a run whose extractor sampling seed is `seed`
+    (`extractor.generation.seed`): `stream_seed("extractor-distill", seed, trajectory_id)`. Keyed like its
+    generation id (`distill_generation_id`) less the run id, which a run directory's name ties to its start time:
+    the same trajectory samples the same answer in any batch, on any extractor instance, at any call."""
+    return stream_seed("extractor-distill", seed, trajectory_id)
+
+
+def merge_seed(seed: int, step: int, task_family: str, chunk: int) -> int:
+    """The row seed of chunk `chunk` of `task_family` in the merge after step `step` (`MergeRequested.step`; the
+    merge id is the run id and that step): `stream_seed("extractor-merge", seed, step, task_family, chunk)`."""
+    return stream_seed("extractor-merge", seed, step, task_family, chunk)
 
 
 def op_id(generation_id: str, index: int) -> str:

@@ -10,7 +10,7 @@
 
     from pipeline.models import SamplingParams, TinyModelSettings, build_tiny
     policy = build_tiny(TinyModelSettings())
-    print(policy.generate(["Action:"], SamplingParams(max_new_tokens=8), seed=0)[0].text)
+    print(policy.generate(["Action:"], SamplingParams(max_new_tokens=8), seeds=[0])[0].text)
 """
 
 from pipeline.models.base import Generation, PolicyModel, SamplingParams

@@ -2,7 +2,7 @@
 responses differentiably for training.
 
     policy = build_tiny(TinyModelSettings())                   # or TransformersPolicy.from_pretrained(path)
-    out = policy.generate(["Goal: reach the staircase down\nAction:"], SamplingParams(max_new_tokens=8), seed=0)
+    out = policy.generate(["Goal: reach the staircase down\nAction:"], SamplingParams(max_new_tokens=8), seeds=[0])
     logps = policy.token_logprobs([out[0].prompt_token_ids], [out[0].token_ids], temperature=1.0)
 
 What a recorded log-prob means (the on-policy ratio depends on it):
@@ -13,9 +13,12 @@ What a recorded log-prob means (the on-policy ratio depends on it):
   that sampled, the ratio `exp(new - recorded)` is 1 up to float error (~1e-5), whatever top_p / top_k were.
 - `temperature == 0` is greedy decoding (argmax); its log-probs are taken at temperature 1, and
   `token_logprobs(..., temperature=0)` does the same.
-- Sampling is reproducible and independent of batch composition: row `i` of a call with seed `s` draws from its own
-  generator seeded by `row_seed(s, i)`, so the same prompt at the same row index gives the same response whatever
-  else is in the batch.
+- Sampling is reproducible and independent of batch composition: every prompt comes with its own seed
+  (`seeds[i]`, one per prompt) and draws from its own generator seeded by it, so the same prompt with the same seed
+  gives the same response whatever else is in the batch, at whatever position, in one call or in several. Callers
+  key a row's seed by what the row is, not by where it sits: `stream_seed(...)` over the run's seed and the
+  identity of the episode turn or extraction (`pipeline.actor.episodes.turn_seed`,
+  `pipeline.extractor.protocol.distill_seed` / `merge_seed`).
 
 Chat models are prompted as chat models: `prompt_ids(user, system)` is, for a tokenizer with a chat template, the ids
 of that template over a system and a user message with the generation prompt added (what `generate` is then given,
@@ -26,6 +29,8 @@ of the user text itself, as before. Generation stops at the model's end-of-turn 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,16 +38,40 @@ from typing import TYPE_CHECKING, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-_SEED_MODULUS = 2**63
+SEED_LIMIT = 2**63
+"""Row seeds lie in [0, SEED_LIMIT): what a torch generator and a vLLM request both take."""
 
 
-def row_seed(seed: int, row: int) -> int:
-    """The seed of row `row`'s generator in a call with `seed`; both backends use it."""
-    return (seed * 1_000_003 + row) % _SEED_MODULUS
+def stream_seed(*parts: str | int) -> int:
+    """The 63-bit seed of the random stream named by `parts` (strings and ints, e.g. a domain, the run's seed, an
+    episode's id, a turn index): a pure function, the same on every machine, process and Python version.
+
+    It is the first 8 bytes of the BLAKE2b-64 digest of the parts written as a compact JSON array (so `("a", 1)`,
+    `("a", "1")` and `("a1",)` are three different streams), read big-endian, with the top bit dropped:
+    `int.from_bytes(blake2b(json.dumps(list(parts), separators=(",", ":")).encode(), digest_size=8).digest(),
+    "big") >> 1`."""
+    for part in parts:
+        if isinstance(part, bool) or not isinstance(part, (str, int)):
+            raise TypeError(f"stream parts are strings and ints, got {part!r}")
+    encoded = json.dumps(list(parts), separators=(",", ":"), ensure_ascii=True).encode()
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big") >> 1
+
+
+def check_seeds(seeds: Sequence[int], rows: int) -> list[int]:
+    """`seeds` as a list after checking there is one per prompt and each lies in [0, 2**63)."""
+    seeds = list(seeds)
+    if len(seeds) != rows:
+        raise InvalidArgumentError(f"{rows} prompts but {len(seeds)} seeds (one seed per prompt)")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+            raise InvalidArgumentError(f"a row seed is an int in [0, 2**63), got {seed!r}")
+    return seeds
 
 
 class SamplingParams(BaseModel):
@@ -127,10 +156,14 @@ class PolicyModel(ABC):
 
     @abstractmethod
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seeds: Sequence[int],
         sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
         """One `Generation` per prompt (text, encoded without special tokens, or token ids), in order.
+
+        `seeds` (one per prompt, each in [0, 2**63)) seeds each row's own random stream: a row's draws depend on its
+        prompt and its seed only, never on the other rows, their number or its position (`InvalidArgumentError`
+        when the counts differ). Greedy rows (temperature 0) draw nothing.
 
         `sessions` (one per prompt, None for none) names the conversation a prompt continues, such as an episode
         played over several turns: a backend may keep the keys and values of a session's last prompt and prefill only

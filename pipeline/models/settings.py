@@ -107,7 +107,11 @@ class GenerationSettings(BaseModel):
         "each version, a LoRA adapter merged in: half the bytes read per decode step and the CPU's bfloat16 "
         "matmuls; recorded log-probs then differ from the trainer's by ~0.03 nats per token (docs/training.md).")
     micro_batch: int = Field(default=32, gt=0, description="Rows per forward pass while generating.")
-    seed: int = Field(default=0, ge=0, description="Seeds the sampling of the role's generating workers.")
+    seed: int = Field(
+        default=0, ge=0,
+        description="The role's sampling seed: with what a generation is (an episode's trajectory id and turn; a "
+        "distilled trajectory's id; a merge chunk) it keys that generation's own random stream, so neither its batch "
+        "nor the worker that runs it changes what it draws.")
     threads: int = Field(
         default=0, ge=0,
         description="torch CPU threads of each generating worker (0: torch's default, one per core). On a small "

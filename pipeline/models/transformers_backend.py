@@ -1,16 +1,17 @@
 """The transformers backend: sampling and re-scoring with a `PreTrainedModel` on any torch device (CPU here).
 
     policy = TransformersPolicy.from_pretrained("/models/qwen2.5-0.5b-instruct", device="cpu")
-    generations = policy.generate(["Action:"], SamplingParams(max_new_tokens=16), seed=7)
+    generations = policy.generate(["Action:"], SamplingParams(max_new_tokens=16), seeds=[7])
 
 `generate` runs its own decoding loop instead of `model.generate`, for two properties the trainers rely on:
 
 - exact log-probs: each recorded value is `log_softmax(logits / temperature)` at the sampled token, the quantity
   `token_logprobs` recomputes (see `pipeline.models.base`);
 - reproducible, batch-independent sampling: row `i` draws its Gumbel noise from its own generator seeded by
-  `row_seed(seed, i)`, and picks `argmax(logits / T + gumbel)` over the tokens top_k / top_p allow (Gumbel-max draws
-  exactly from the softmax over the kept tokens). Its draws never depend on the other rows, so the same prompt at
-  the same index gives the same tokens whatever shares its batch (up to float ties in the padded forward pass).
+  `seeds[i]`, and picks `argmax(logits / T + gumbel)` over the tokens top_k / top_p allow (Gumbel-max draws exactly
+  from the softmax over the kept tokens). Its draws never depend on the other rows, so the same prompt with the same
+  seed gives the same tokens whatever shares its batch, at any position and micro-batch (up to float ties: the
+  padded, batched forward pass is not bitwise batch-invariant, see `tests/unit/models/test_models.py`).
 
 Layouts. Generation: the prompts of one micro-batch are left-padded so every row's next token sits in the last
 column; position ids come from the attention mask's cumulative sum, so padding shifts nothing. Scoring: left-padded
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pipeline.errors import ConfigError, InvalidArgumentError
-from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
+from pipeline.models.base import Generation, PolicyModel, SamplingParams, check_seeds
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -226,10 +227,11 @@ class TransformersPolicy(PolicyModel):
     # -- generation -----------------------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seeds: Sequence[int],
         sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
         prompt_ids = [self._prompt_ids(prompt) for prompt in prompts]
+        row_seeds = check_seeds(seeds, len(prompt_ids))
         if sessions is not None and len(sessions) != len(prompt_ids):
             raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(sessions)} sessions")
         row_sessions = list(sessions) if sessions is not None else [None] * len(prompt_ids)
@@ -240,7 +242,7 @@ class TransformersPolicy(PolicyModel):
                 generations: list[Generation] = []
                 for start in range(0, len(prompt_ids), self.micro_batch_size):
                     rows = range(start, min(start + self.micro_batch_size, len(prompt_ids)))
-                    generators = [self._generator(row_seed(seed, row)) for row in rows]
+                    generators = [self._generator(row_seeds[row]) for row in rows]
                     generations += self._generate_micro_batch([prompt_ids[r] for r in rows], generators, sampling,
                                                               [row_sessions[r] for r in rows])
                 return generations

@@ -8,8 +8,9 @@ vLLM is the optional `gpu` extra (it needs CUDA and its own torch), so this modu
 backend: `token_logprobs` here returns plain tensors without grad, for checks only.
 
 Alignment with the transformers backend:
-- row `i` of a call with seed `s` gets the per-request seed `row_seed(s, i)`, so its draws do not depend on the
-  batch (vLLM's kernels differ, so the tokens are not the ones the transformers backend draws for that seed);
+- row `i` gets the per-request seed `seeds[i]`, so its draws do not depend on the batch (vLLM's kernels differ, so
+  the tokens are not the ones the transformers backend draws for that seed; nor are vLLM's batched kernels
+  guaranteed batch-invariant, so a float near-tie can still resolve differently in another batch);
 - the engine runs with `logprobs_mode="processed_logprobs"`: a recorded log-prob is taken after temperature scaling,
   i.e. `log_softmax(logits / T)`, the quantity `TransformersPolicy.token_logprobs(..., T)` recomputes. vLLM also
   applies top_k / top_p before that log-softmax, so with truncation on it records the renormalised truncated
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import ConfigError, InvalidArgumentError, InvalidStateError
-from pipeline.models.base import Generation, PolicyModel, SamplingParams, row_seed
+from pipeline.models.base import Generation, PolicyModel, SamplingParams, check_seeds
 from pipeline.models.transformers_backend import load_tokenizer
 
 GPU_EXTRA_HINT = "the vllm backend needs the 'gpu' extra on a CUDA machine: pip install 'complementary-rl[gpu]'"
@@ -88,19 +89,20 @@ class VllmPolicy(PolicyModel):
         return True
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seed: int,
+        self, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams, seeds: Sequence[int],
         sessions: Sequence[Hashable | None] | None = None,
     ) -> list[Generation]:
         # `sessions` is not needed: vLLM's automatic prefix caching reuses any shared prefix, in a session or not.
         prompt_ids = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        row_seeds = check_seeds(seeds, len(prompt_ids))
         params = [
             self._vllm.SamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
                 stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
-                include_stop_str_in_output=True, seed=row_seed(seed, row), logprobs=0,
+                include_stop_str_in_output=True, seed=seed, logprobs=0,
             )
-            for row in range(len(prompt_ids))
+            for seed in row_seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         generations = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.models.base import PolicyModel, SamplingParams
+from pipeline.models.base import PolicyModel, SamplingParams, stream_seed
 from schemas.base import Producer
 from schemas.extractions import ExtractionGenerated
 from schemas.trajectories import ExperienceRef, Timings, TrajectoryCompleted, Turn
@@ -51,7 +51,8 @@ def synthetic_trajectories(
             past = "".join(f"Action: {t.action}\n" for t in history[(g, s)])
             prompts.append(f"Goal: reach the staircase down (task {g}).\n{past}Observation:\n{_observation(turn, s)}\n"
                            "Action:")
-        generations = policy.generate(prompts, sampling, seed=seed * 10_007 + step * 101 + turn)
+        generations = policy.generate(prompts, sampling, seeds=[stream_seed("synthetic-turn", seed, step, g, s, turn)
+                                                                for g, s in episodes])
         for (g, s), generation in zip(episodes, generations, strict=True):
             history[(g, s)].append(Turn(
                 observation=_observation(turn, s), prompt_token_ids=generation.prompt_token_ids,
@@ -87,7 +88,8 @@ def synthetic_extractions(
     """`count` distil generations by `policy`, each recorded as having produced one experience."""
     prompts = [f"Goal: reach the staircase down (task {i}).\nOutcome: SUCCESS\nWrite lessons as ops.\n<answer>"
                for i in range(count)]
-    generations = policy.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), seed=seed)
+    generations = policy.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens),
+                                  seeds=[stream_seed("synthetic-extraction", seed, i) for i in range(count)])
     return [
         ExtractionGenerated(
             run_id=run_id, producer=PRODUCER, generation_id=f"{run_id}-gen-{seed}-{i}",

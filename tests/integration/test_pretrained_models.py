@@ -11,12 +11,17 @@ import json
 import pytest
 import torch
 
-from pipeline.models.base import SamplingParams
+from pipeline.models.base import SamplingParams, stream_seed
 from pipeline.models.presets import PRESETS, prepared_preset
 from pipeline.models.settings import ModelSettings
 from pipeline.rl.training import initial_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.pretrained]
+
+
+def rows(seed: int, n: int) -> list[int]:
+    """Row seeds for a test call of `n` prompts: one stream per (seed, row)."""
+    return [stream_seed("test", seed, row) for row in range(n)]
 
 CHAT = [{"role": "system", "content": "You are a helpful assistant. Answer in one word."},
         {"role": "user", "content": "What is the capital of France?"}]
@@ -43,11 +48,11 @@ def test_smollm2_answers_as_a_pretrained_chat_model_and_its_log_probs_replay(smo
     tokenizer = smollm2.tokenizer
     prompt = list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"])
     assert tokenizer.convert_ids_to_tokens(prompt[-4:]) == ["<|im_start|>", "ass", "istant", "Ċ"]  # ChatML
-    greedy = smollm2.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0), seed=0)[0]
+    greedy = smollm2.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0), seeds=rows(0, 1))[0]
     assert "Paris" in greedy.text
     assert greedy.finish_reason == "stop" and greedy.token_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    sampled = smollm2.generate([prompt, prompt], SamplingParams(max_new_tokens=12, temperature=1.0), seed=3)
+    sampled = smollm2.generate([prompt, prompt], SamplingParams(max_new_tokens=12, temperature=1.0), seeds=rows(3, 2))
     assert all(g.prompt_token_ids == tuple(prompt) for g in sampled)
     rescored = smollm2.token_logprobs([prompt, prompt], [g.token_ids for g in sampled], temperature=1.0)
     for generation, logprobs in zip(sampled, rescored, strict=True):
@@ -69,7 +74,7 @@ def test_a_differently_shaped_local_model_loads_through_model_path(tmp_path):
 
     policy = initial_policy(ModelSettings(path=str(tmp_path)))
     assert policy.model.config.model_type == "gpt2" and policy.model.config.n_layer == 3
-    sampled = policy.generate(["go east", "the key"], SamplingParams(max_new_tokens=6), seed=1)
+    sampled = policy.generate(["go east", "the key"], SamplingParams(max_new_tokens=6), seeds=rows(1, 2))
     rescored = policy.token_logprobs([g.prompt_token_ids for g in sampled], [g.token_ids for g in sampled])
     for generation, logprobs in zip(sampled, rescored, strict=True):
         torch.testing.assert_close(logprobs, torch.tensor(generation.logprobs), atol=1e-5, rtol=0)

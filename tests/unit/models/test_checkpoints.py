@@ -30,11 +30,17 @@ from pipeline.models import (
     tokenizer_corpus,
     weight_hash,
 )
+from pipeline.models.base import stream_seed
 from pipeline.models.checkpoints import MANIFEST
 
 SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           intermediate_size=128, corpus_episodes=8)
 PROMPTS = ["Goal: reach the staircase down\nAction:", "Observation:\n|.@.|\n|..>|\nAction: north\nAction:"]
+
+
+def rows(seed: int, n: int) -> list[int]:
+    """Row seeds for a test call of `n` prompts: one stream per (seed, row)."""
+    return [stream_seed("test", seed, row) for row in range(n)]
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
 
 
@@ -54,7 +60,7 @@ def _adamw(policy: TransformersPolicy) -> torch.optim.AdamW:
 
 def _train_step(policy: TransformersPolicy, optimizer: torch.optim.Optimizer, seed: int) -> None:
     """One deterministic update: raise the log-prob of a fixed sampled batch."""
-    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seed=seed)
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seeds=rows(seed, len(PROMPTS)))
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
     logps = policy.token_logprobs([g.prompt_token_ids for g in generations], [g.token_ids for g in generations])
@@ -79,8 +85,8 @@ def test_round_trip_reproduces_weights_sampling_and_logprobs(policy: Transformer
     assert loaded.optimizer_tensors is None and loaded.optimizer_param_groups is None
 
     sampling = SamplingParams(max_new_tokens=10, temperature=0.9)
-    generations = policy.generate(PROMPTS, sampling, seed=21)
-    assert loaded.policy.generate(PROMPTS, sampling, seed=21) == generations
+    generations = policy.generate(PROMPTS, sampling, seeds=rows(21, len(PROMPTS)))
+    assert loaded.policy.generate(PROMPTS, sampling, seeds=rows(21, len(PROMPTS))) == generations
     with torch.no_grad():
         args = ([g.prompt_token_ids for g in generations], [g.token_ids for g in generations], 0.9)
         for original, reloaded in zip(policy.token_logprobs(*args), loaded.policy.token_logprobs(*args), strict=True):

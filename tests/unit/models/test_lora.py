@@ -14,6 +14,7 @@ import torch
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.audit.training_replay import replay_training
 from pipeline.errors import CheckpointError, ConfigError
+from pipeline.models.base import stream_seed
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256, weight_hash
 from pipeline.models.lora import is_lora
 from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
@@ -29,6 +30,11 @@ TINY = TinyModelSettings(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads
                          vocab_size=512, corpus_episodes=4)
 SETTINGS = ActorTrainerSettings(model=ModelSettings(tiny=TINY, lora=LoraSettings(rank=4, alpha=8, seed=3)),
                                 lr=1e-2, threads=1, group_size=4, groups_per_step=2, micro_batch_size=5)
+
+
+def rows(seed: int, n: int) -> list[int]:
+    """Row seeds for a test call of `n` prompts: one stream per (seed, row)."""
+    return [stream_seed("test", seed, row) for row in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +228,8 @@ def test_a_bfloat16_generation_copy_merges_the_adapter_and_the_next_version_load
     # The copy samples what the float32 version would, up to bfloat16 rounding of its log-probs.
     prompts = [[5, 6, 7, 8], [9, 10]]
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
-    ours = held.generate(prompts, greedy, seed=0)
-    theirs = held.full_precision.generate(prompts, greedy, seed=0)
+    ours = held.generate(prompts, greedy, seeds=rows(0, len(prompts)))
+    theirs = held.full_precision.generate(prompts, greedy, seeds=rows(0, len(prompts)))
     for a, b in zip(ours, theirs, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
         torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), atol=0.1, rtol=0)

@@ -27,7 +27,7 @@ from pipeline.models import (
     train_tokenizer,
     weight_hash,
 )
-from pipeline.models.base import row_seed
+from pipeline.models.base import stream_seed
 
 SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           intermediate_size=128, corpus_episodes=8)
@@ -37,6 +37,11 @@ PROMPTS = [
     "Experience: walls block you; go around them.\n<answer>",
     "Observation:\n-----\n|@..|\n-----\nMessage: It's solid stone.\nAction: north\nAction:",
 ]
+
+
+def rows(seed: int, n: int = len(PROMPTS)) -> list[int]:
+    """Row seeds for a test call of `n` prompts (all of PROMPTS by default): one stream per (seed, row)."""
+    return [stream_seed("test", seed, row) for row in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +147,15 @@ def test_train_tokenizer_is_deterministic_and_bounded_by_vocab_size(corpus: list
 
 def test_same_seed_gives_identical_generations_and_another_seed_differs(policy: TransformersPolicy) -> None:
     sampling = SamplingParams(max_new_tokens=12)
-    first = policy.generate(PROMPTS, sampling, seed=5)
-    assert policy.generate(PROMPTS, sampling, seed=5) == first
-    other = policy.generate(PROMPTS, sampling, seed=6)
+    first = policy.generate(PROMPTS, sampling, seeds=rows(5))
+    assert policy.generate(PROMPTS, sampling, seeds=rows(5)) == first
+    other = policy.generate(PROMPTS, sampling, seeds=rows(6))
     assert [g.token_ids for g in other] != [g.token_ids for g in first]
 
 
 def test_generation_fields_are_consistent(policy: TransformersPolicy) -> None:
     sampling = SamplingParams(max_new_tokens=12)
-    for prompt, generation in zip(PROMPTS, policy.generate(PROMPTS, sampling, seed=5), strict=True):
+    for prompt, generation in zip(PROMPTS, policy.generate(PROMPTS, sampling, seeds=rows(5)), strict=True):
         assert generation.prompt_token_ids == tuple(policy.encode(prompt))
         assert 1 <= len(generation.token_ids) <= 12
         assert len(generation.logprobs) == len(generation.token_ids)
@@ -162,37 +167,91 @@ def test_generation_fields_are_consistent(policy: TransformersPolicy) -> None:
             assert len(generation.token_ids) == 12
 
 
-def test_a_row_does_not_depend_on_the_rest_of_its_batch(policy: TransformersPolicy) -> None:
-    sampling = SamplingParams(max_new_tokens=16)
-    alone = policy.generate(PROMPTS[:1], sampling, seed=9)[0]
-    batched = policy.generate(PROMPTS, sampling, seed=9)
-    assert batched[0].token_ids == alone.token_ids
-    torch.testing.assert_close(torch.tensor(batched[0].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
-    # Row 1 keeps its draws when row 0 changes, and across micro-batch boundaries.
-    swapped = policy.generate([PROMPTS[2], PROMPTS[1]], sampling, seed=9)
-    assert swapped[1].token_ids == batched[1].token_ids
-    one_per_batch = TransformersPolicy(policy.model, policy.tokenizer, micro_batch_size=1)
-    assert [g.token_ids for g in one_per_batch.generate(PROMPTS, sampling, seed=9)] == [g.token_ids for g in batched]
+OTHERS = [
+    "north",
+    "Task: MiniHack. Goal: find the key, open the door that leads to the staircase down, then go down.\n"
+    "Observation:\n|....|\n|.@..|\nAction:",
+    "Goal: x",
+    "Observation:\n|.@.|\nAction: south\nAction: south\nAction: west\nAction:",
+]
+"""More prompts, shorter and longer than PROMPTS[0], so its row is padded differently in every batch below."""
 
 
-def test_row_seeds_are_distinct_per_row_and_seed() -> None:
-    seeds = {row_seed(seed, row) for seed in range(50) for row in range(64)}
-    assert len(seeds) == 50 * 64
-    assert all(0 <= s < 2**63 for s in seeds)
-    assert row_seed(2**70, 3) == (2**70 * 1_000_003 + 3) % 2**63
+def test_a_row_draws_the_same_tokens_alone_in_any_batch_position_and_split_over_calls(
+        policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    target, seed = PROMPTS[0], stream_seed("test", "target")
+    others = PROMPTS[1:] + OTHERS  # 7 other prompts, each with its own seed
+    other_seeds = rows(77, len(others))
+    alone = policy.generate([target], sampling, seeds=[seed])[0]
+    assert len(alone.token_ids) > 1
+    for position in (0, 3, 7):
+        prompts = [*others[:position], target, *others[position:]]
+        seeds = [*other_seeds[:position], seed, *other_seeds[position:]]
+        batched = policy.generate(prompts, sampling, seeds=seeds)  # one micro-batch of 8
+        split = policy.generate(prompts[:5], sampling, seeds=seeds[:5]) + policy.generate(
+            prompts[5:], sampling, seeds=seeds[5:])
+        for together in (batched, split):
+            assert together[position].token_ids == alone.token_ids
+            assert together[position].text == alone.text
+            # The batched forward pass is not bitwise batch-invariant on the CPU (the BLAS kernels' row results
+            # depend on how many rows a matmul has): the recorded log-probs agree to float error, not bit for bit.
+            torch.testing.assert_close(torch.tensor(together[position].logprobs), torch.tensor(alone.logprobs),
+                                       atol=1e-5, rtol=0)
+        # The other rows are not disturbed by where the target sits either.
+        assert [g.token_ids for i, g in enumerate(batched) if i != position] == \
+            [g.token_ids for g in policy.generate(others, sampling, seeds=other_seeds)]
+    # Across micro-batch boundaries too (3 rows per forward pass).
+    three_per_pass = TransformersPolicy(policy.model, policy.tokenizer, micro_batch_size=3)
+    prompts, seeds = [*others[:5], target, *others[5:]], [*other_seeds[:5], seed, *other_seeds[5:]]
+    assert three_per_pass.generate(prompts, sampling, seeds=seeds)[5].token_ids == alone.token_ids
+    # The same prompt twice in one batch with one seed: twice the same tokens; another seed: other tokens.
+    twice = policy.generate([target, target, target], sampling, seeds=[seed, seed, seed + 1])
+    assert twice[0].token_ids == twice[1].token_ids == alone.token_ids
+    assert twice[2].token_ids != alone.token_ids
+
+
+def test_generate_takes_one_seed_per_prompt_in_range(policy: TransformersPolicy) -> None:
+    sampling = SamplingParams(max_new_tokens=2)
+    with pytest.raises(InvalidArgumentError, match="2 prompts but 1 seeds"):
+        policy.generate(PROMPTS[:2], sampling, seeds=[0])
+    for bad in (-1, 2**63, True):
+        with pytest.raises(InvalidArgumentError, match=r"\[0, 2\*\*63\)"):
+            policy.generate(PROMPTS[:1], sampling, seeds=[bad])  # type: ignore[list-item]
+    assert len(policy.generate(PROMPTS[:1], sampling, seeds=[2**63 - 1])) == 1
+
+
+def test_stream_seed_is_blake2b_of_the_json_parts() -> None:
+    import hashlib
+
+    # Hand-checked: the compact JSON array, BLAKE2b with an 8-byte digest, read big-endian, top bit dropped.
+    encoded = b'["actor-turn",0,"s000003-g001-k2",0]'
+    assert hashlib.blake2b(encoded, digest_size=8).hexdigest() == "90ffeb0a5be2780f"
+    assert 0x90FFEB0A5BE2780F >> 1 == 5224164045123304455
+    assert stream_seed("actor-turn", 0, "s000003-g001-k2", 0) == 5224164045123304455
+    assert stream_seed("actor-turn", 0, "s000003-g001-k2", 1) == 3719143607393822387
+    assert stream_seed() == 4090036724241674979  # blake2b-64 of b"[]"
+    # Types and boundaries are part of the name: these are three different streams.
+    assert len({stream_seed("a", 1), stream_seed("a", "1"), stream_seed("a1")}) == 3
+    seeds = {stream_seed("test", seed, row) for seed in range(50) for row in range(64)}
+    assert len(seeds) == 50 * 64 and all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(TypeError):
+        stream_seed("a", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        stream_seed("a", True)
 
 
 def test_prompts_as_token_ids_equal_prompts_as_text(policy: TransformersPolicy) -> None:
     sampling = SamplingParams(max_new_tokens=8)
-    as_text = policy.generate(PROMPTS, sampling, seed=2)
-    as_ids = policy.generate([policy.encode(p) for p in PROMPTS], sampling, seed=2)
+    as_text = policy.generate(PROMPTS, sampling, seeds=rows(2))
+    as_ids = policy.generate([policy.encode(p) for p in PROMPTS], sampling, seeds=rows(2))
     assert as_ids == as_text
 
 
 def test_greedy_is_deterministic_and_takes_the_argmax(policy: TransformersPolicy) -> None:
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
-    first = policy.generate(PROMPTS, greedy, seed=0)
-    assert [g.token_ids for g in policy.generate(PROMPTS, greedy, seed=999)] == [g.token_ids for g in first]
+    first = policy.generate(PROMPTS, greedy, seeds=rows(0))
+    assert [g.token_ids for g in policy.generate(PROMPTS, greedy, seeds=rows(999))] == [g.token_ids for g in first]
     # Check the argmax by hand, one full forward pass per token, for the first prompt.
     ids = list(first[0].prompt_token_ids)
     with torch.no_grad():
@@ -204,9 +263,9 @@ def test_greedy_is_deterministic_and_takes_the_argmax(policy: TransformersPolicy
 
 
 def test_top_k_1_and_a_tiny_top_p_reduce_to_greedy_but_record_untruncated_logprobs(policy: TransformersPolicy) -> None:
-    greedy = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seed=0)
+    greedy = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seeds=rows(0))
     for sampling in (SamplingParams(max_new_tokens=8, top_k=1), SamplingParams(max_new_tokens=8, top_p=1e-6)):
-        restricted = policy.generate(PROMPTS, sampling, seed=3)
+        restricted = policy.generate(PROMPTS, sampling, seeds=rows(3))
         assert [g.token_ids for g in restricted] == [g.token_ids for g in greedy]
         for r, g in zip(restricted, greedy, strict=True):
             # Temperature 1 and the full distribution: the same values greedy records, not log(1) = 0.
@@ -219,27 +278,29 @@ def test_top_k_draws_only_among_the_k_most_likely(policy: TransformersPolicy) ->
     with torch.no_grad():
         logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1]
     top3 = set(torch.topk(logits, 3).indices.tolist())
-    first_tokens = {policy.generate([prompt], SamplingParams(max_new_tokens=1, top_k=3), seed=s)[0].token_ids[0]
+    first_tokens = {policy.generate([prompt], SamplingParams(max_new_tokens=1, top_k=3),
+                                    seeds=rows(s, 1))[0].token_ids[0]
                     for s in range(60)}
     assert first_tokens <= top3
     assert len(first_tokens) >= 2  # a near-uniform untrained model draws more than one of them
 
 
 def test_max_new_tokens_ends_rows_with_length(policy: TransformersPolicy) -> None:
-    for generation in policy.generate(PROMPTS, SamplingParams(max_new_tokens=3), seed=1):
+    for generation in policy.generate(PROMPTS, SamplingParams(max_new_tokens=3), seeds=rows(1)):
         assert len(generation.token_ids) == 3
         assert generation.finish_reason == "length"
 
 
 def test_stop_string_keeps_tokens_through_the_one_that_completed_it(policy: TransformersPolicy) -> None:
-    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seed=0)[0]
+    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seeds=rows(0, 1))[0]
     assert len(full.token_ids) == 24
     stop = policy.decode(full.token_ids[:10])[-2:]
     assert stop.strip()
     # The same seed draws the same tokens until the stop: the expected output is the shortest prefix holding it.
     cut = next(n for n in range(1, 25) if stop in policy.decode(full.token_ids[:n]))
     assert cut < len(full.token_ids)
-    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop=("never-there", stop)), seed=0)[0]
+    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop=("never-there", stop)),
+                              seeds=rows(0, 1))[0]
     assert stopped.token_ids == full.token_ids[:cut]
     assert stopped.logprobs == full.logprobs[:cut]
     assert stopped.finish_reason == "stop"
@@ -247,10 +308,11 @@ def test_stop_string_keeps_tokens_through_the_one_that_completed_it(policy: Tran
 
 
 def test_stop_token_id_ends_the_row_and_is_kept(policy: TransformersPolicy) -> None:
-    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seed=0)[0]
+    full = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24), seeds=rows(0, 1))[0]
     stop_id = full.token_ids[6]
     cut = full.token_ids.index(stop_id) + 1
-    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop_token_ids=(stop_id,)), seed=0)[0]
+    stopped = policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=24, stop_token_ids=(stop_id,)),
+                              seeds=rows(0, 1))[0]
     assert stopped.token_ids == full.token_ids[:cut]
     assert stopped.token_ids[-1] == stop_id
     assert stopped.finish_reason == "stop"
@@ -259,8 +321,8 @@ def test_stop_token_id_ends_the_row_and_is_kept(policy: TransformersPolicy) -> N
 def test_eos_ends_the_row_is_kept_and_left_out_of_the_text(policy: TransformersPolicy) -> None:
     eos = policy.tokenizer.eos_token_id
     sampling = SamplingParams(max_new_tokens=24)
-    # An untrained model draws eos now and then: take the first seed whose row 0 does.
-    ended = next(g for s in range(50) if (g := policy.generate(PROMPTS[:1], sampling, seed=s)[0]).token_ids[-1] == eos)
+    # An untrained model draws eos now and then: take the first of 100 rows (one prompt, 100 seeds) that does.
+    ended = next(g for g in policy.generate(PROMPTS[:1] * 100, sampling, seeds=rows(0, 100)) if g.token_ids[-1] == eos)
     assert len(ended.token_ids) < 24
     assert ended.token_ids.count(eos) == 1
     assert ended.finish_reason == "stop"
@@ -270,9 +332,9 @@ def test_eos_ends_the_row_is_kept_and_left_out_of_the_text(policy: TransformersP
 
 
 def test_finished_rows_stop_while_others_continue(policy: TransformersPolicy) -> None:
-    free = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seed=8)
+    free = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seeds=rows(8))
     stop_id = free[0].token_ids[1]
-    mixed = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=(stop_id,)), seed=8)
+    mixed = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=(stop_id,)), seeds=rows(8))
     assert mixed[0].token_ids == free[0].token_ids[: free[0].token_ids.index(stop_id) + 1]
     for row in range(1, len(PROMPTS)):
         expected = free[row].token_ids
@@ -284,18 +346,18 @@ def test_finished_rows_stop_while_others_continue(policy: TransformersPolicy) ->
 def test_generate_restores_the_training_mode(policy: TransformersPolicy) -> None:
     policy.model.train()
     try:
-        policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seed=0)
+        policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seeds=rows(0, 1))
         assert policy.model.training
     finally:
         policy.model.eval()
-    policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seed=0)
+    policy.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), seeds=rows(0, 1))
     assert not policy.model.training
 
 
 def test_empty_prompt_is_rejected(policy: TransformersPolicy) -> None:
     with pytest.raises(ValueError, match="at least one token"):
-        policy.generate([""], SamplingParams(), seed=0)
-    assert policy.generate([], SamplingParams(), seed=0) == []
+        policy.generate([""], SamplingParams(), seeds=rows(0, 1))
+    assert policy.generate([], SamplingParams(), seeds=rows(0, 0)) == []
 
 
 @pytest.mark.parametrize("bad", [
@@ -323,7 +385,7 @@ def test_sampling_params_are_frozen() -> None:
     SamplingParams(max_new_tokens=14, temperature=0.7, top_p=0.9, top_k=40),
 ], ids=["t1", "t0.7", "t0.7-top_p-top_k"])
 def test_token_logprobs_agree_with_the_sampling_logprobs(policy: TransformersPolicy, sampling: SamplingParams) -> None:
-    generations = policy.generate(PROMPTS, sampling, seed=11)
+    generations = policy.generate(PROMPTS, sampling, seeds=rows(11))
     assert len({len(g.prompt_token_ids) for g in generations}) > 1  # the padding is exercised
     with torch.no_grad():
         scored = _batch_logprobs(policy, generations, sampling.temperature)
@@ -333,7 +395,7 @@ def test_token_logprobs_agree_with_the_sampling_logprobs(policy: TransformersPol
 
 
 def test_token_logprobs_at_temperature_0_are_those_at_temperature_1(policy: TransformersPolicy) -> None:
-    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seed=0)
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), seeds=rows(0))
     with torch.no_grad():
         at_zero, at_one = _batch_logprobs(policy, generations, 0.0), _batch_logprobs(policy, generations, 1.0)
     for generation, zero, one in zip(generations, at_zero, at_one, strict=True):
@@ -342,7 +404,7 @@ def test_token_logprobs_at_temperature_0_are_those_at_temperature_1(policy: Tran
 
 
 def test_token_logprobs_do_not_depend_on_micro_batching(policy: TransformersPolicy) -> None:
-    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seed=12)
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=10), seeds=rows(12))
     one_at_a_time = TransformersPolicy(policy.model, policy.tokenizer, micro_batch_size=1)
     with torch.no_grad():
         together = _batch_logprobs(policy, generations, 1.0)
@@ -360,7 +422,7 @@ def test_token_logprobs_of_an_empty_response_is_empty(policy: TransformersPolicy
 
 
 def test_gradient_flows_through_token_logprobs(policy: TransformersPolicy) -> None:
-    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seed=13)
+    generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seeds=rows(13))
     policy.model.zero_grad(set_to_none=True)
     logps = _batch_logprobs(policy, generations, 1.0)
     assert all(lp.requires_grad for lp in logps)
@@ -390,8 +452,8 @@ def test_both_architectures_build_generate_and_rescore(corpus: list[str], archit
     assert type(built.model).__name__ == class_name
     assert weight_hash(build_tiny(settings, corpus=corpus).model) == weight_hash(built.model)
     sampling = SamplingParams(max_new_tokens=8, temperature=0.8)
-    generations = built.generate(PROMPTS, sampling, seed=1)
-    assert built.generate(PROMPTS, sampling, seed=1) == generations
+    generations = built.generate(PROMPTS, sampling, seeds=rows(1))
+    assert built.generate(PROMPTS, sampling, seeds=rows(1)) == generations
     assert all(len(g.token_ids) >= 1 for g in generations)
     with torch.no_grad():
         for generation, logps in zip(generations, _batch_logprobs(built, generations, 0.8), strict=True):
@@ -440,8 +502,8 @@ def test_vllm_policy_samples_reproducibly_with_the_transformers_logprob_semantic
     info = save_checkpoint(tmp_path / "v0", policy)
     served = VllmPolicy(str(info.path), seed=0, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512)
     sampling = SamplingParams(max_new_tokens=8)
-    generations = served.generate(PROMPTS, sampling, seed=3)
-    assert served.generate(PROMPTS, sampling, seed=3) == generations
+    generations = served.generate(PROMPTS, sampling, seeds=rows(3))
+    assert served.generate(PROMPTS, sampling, seeds=rows(3)) == generations
     with torch.no_grad():
         for generation, logps in zip(generations, _batch_logprobs(policy, generations, 1.0), strict=True):
             torch.testing.assert_close(logps, torch.tensor(generation.logprobs), atol=1e-2, rtol=0)
@@ -466,7 +528,7 @@ def test_a_chat_model_is_prompted_through_its_template_and_trained_to_end_its_tu
     assert policy.prompt_ids("Go east.") == policy.encode("<user>Go east.\n<assistant>")
     assert policy.response_ids("east") == [*policy.encode("east"), policy.tokenizer.eos_token_id]
     generation = policy.generate([policy.prompt_ids("Go east.", "Be brief.")], SamplingParams(max_new_tokens=3),
-                                 seed=0)[0]
+                                 seeds=[0])[0]
     assert list(generation.prompt_token_ids) == policy.prompt_ids("Go east.", "Be brief.")
 
 
@@ -489,16 +551,16 @@ def test_a_session_continues_from_its_kept_prefix_and_samples_what_a_fresh_promp
     first_turn = [p + " north" for p in PROMPTS]
     second_turn = [p + " north\nObservation: a wall\nAction:" for p in PROMPTS]
     fresh = TransformersPolicy(policy.model, policy.tokenizer)
-    expected = fresh.generate(second_turn, sampling, seed=4)
+    expected = fresh.generate(second_turn, sampling, seeds=rows(4, len(second_turn)))
     kept = TransformersPolicy(policy.model, policy.tokenizer)
     sessions = ["e0", "e1", None, "e3"]  # row 2 plays without a session
-    kept.generate(first_turn, sampling, seed=3, sessions=sessions)
+    kept.generate(first_turn, sampling, seeds=rows(3, len(first_turn)), sessions=sessions)
     assert sorted(kept._sessions) == ["e0", "e1", "e3"]
     first_lengths = [len(policy.encode(first_turn[i])) for i in (0, 1, 3)]
     assert [len(k.prompt_ids) for k in kept._sessions.values()] == first_lengths
     # The second turn runs only what each prompt adds (at least its last token) on the kept keys and values.
     before = kept.prompt_tokens_run
-    continued = kept.generate(second_turn, sampling, seed=4, sessions=sessions)
+    continued = kept.generate(second_turn, sampling, seeds=rows(4, len(second_turn)), sessions=sessions)
     assert kept.prompt_tokens_reused == sum(first_lengths)
     assert kept.prompt_tokens_run - before == sum(len(policy.encode(p)) for p in second_turn) - sum(first_lengths)
     assert [g.token_ids for g in continued] == [g.token_ids for g in expected]
@@ -507,14 +569,14 @@ def test_a_session_continues_from_its_kept_prefix_and_samples_what_a_fresh_promp
         assert ours.prompt_token_ids == theirs.prompt_token_ids
     # A prompt that departs from its session's early on, and one equal to it, still match a fresh run.
     changed = ["Action:", second_turn[1], "x", second_turn[3]]
-    assert ([g.token_ids for g in kept.generate(changed, sampling, seed=5, sessions=sessions)]
-            == [g.token_ids for g in fresh.generate(changed, sampling, seed=5)])
+    assert ([g.token_ids for g in kept.generate(changed, sampling, seeds=rows(5, len(changed)), sessions=sessions)]
+            == [g.token_ids for g in fresh.generate(changed, sampling, seeds=rows(5, len(changed)))])
     kept.end_sessions(["e0"])
     assert sorted(kept._sessions) == ["e1", "e3"]
     kept.end_sessions()
     assert not kept._sessions
     kept.max_sessions = 2
-    kept.generate(PROMPTS, sampling, seed=1, sessions=["a", "b", "c", "d"])
+    kept.generate(PROMPTS, sampling, seeds=rows(1), sessions=["a", "b", "c", "d"])
     assert list(kept._sessions) == ["c", "d"]  # the least recently used went first
     with pytest.raises(InvalidArgumentError, match="4 prompts but 3 sessions"):
-        kept.generate(PROMPTS, sampling, seed=1, sessions=["a", "b", "c"])
+        kept.generate(PROMPTS, sampling, seeds=rows(1), sessions=["a", "b", "c"])
