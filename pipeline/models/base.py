@@ -58,7 +58,7 @@ def stream_seed(*parts: str | int) -> int:
     "big") >> 1`."""
     for part in parts:
         if isinstance(part, bool) or not isinstance(part, (str, int)):
-            raise TypeError(f"stream parts are strings and ints, got {part!r}")
+            raise InvalidArgumentError(f"stream parts are strings and ints, got {part!r}")
     encoded = json.dumps(list(parts), separators=(",", ":"), ensure_ascii=True).encode()
     return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big") >> 1
 

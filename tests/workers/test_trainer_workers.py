@@ -18,7 +18,7 @@ def test_the_actor_trainer_publishes_version_0_then_trains_a_complete_step(tmp_p
     settings = settings_for(tmp_path, actor_trainer={"group_size": 4})
     trajectories = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=0, groups=1, group_size=4, seed=0)
     by_slot = sorted(trajectories, key=lambda t: t.slot)
-    assert [t.reward for t in by_slot] == [0.0, 1.0, 0.0, 0.0]  # the guided half (slots 0, 1) carries a signal
+    assert [t.reward for t in by_slot] == [1.0, 0.0, 1.0, 1.0]  # the guided half (slots 0, 1) carries a signal
     worker, context = build_worker(ActorTrainer, settings)
     result = run_worker(worker, list(reversed(trajectories)), context=context)
     published = [e for e in result.outputs if isinstance(e, PolicyPublished)]
@@ -27,7 +27,7 @@ def test_the_actor_trainer_publishes_version_0_then_trains_a_complete_step(tmp_p
     assert [(s.step, s.policy_version) for s in steps] == [(0, 1)]
     assert steps[0].batch_event_ids == tuple(str(t.event_id) for t in by_slot)
     # normalised per half with the sample std: (r - 0.5) / 0.7071 in the guided half; the free half has no spread
-    assert steps[0].advantages == pytest.approx((-0.70711, 0.70711, 0.0, 0.0), abs=1e-4)
+    assert steps[0].advantages == pytest.approx((0.70711, -0.70711, 0.0, 0.0), abs=1e-4)
     assert steps[0].weight_hash_before != steps[0].weight_hash_after
     assert result.committed == {("crl.trajectories", 0): 4}
 

@@ -235,9 +235,9 @@ def test_stream_seed_is_blake2b_of_the_json_parts() -> None:
     assert len({stream_seed("a", 1), stream_seed("a", "1"), stream_seed("a1")}) == 3
     seeds = {stream_seed("test", seed, row) for seed in range(50) for row in range(64)}
     assert len(seeds) == 50 * 64 and all(0 <= s < 2**63 for s in seeds)
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgumentError):
         stream_seed("a", 1.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgumentError):
         stream_seed("a", True)
 
 
