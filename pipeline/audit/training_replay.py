@@ -8,8 +8,9 @@ settings recorded in it; then, in version order, rebuild every `TrainStepComplet
 lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: the same optimiser construction and
 step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded
 ones. The actor's advantages are recomputed from the trajectories and must equal the recorded ones; the extractor's
-depend on which outcomes had arrived when it trained, so the recorded ones are used. The first mismatch stops the replay
-and names the step.
+depend on which outcomes had arrived when it trained, so the recorded ones are used. An extractor batch event is the
+copy the trainer's join kept (`pipeline.rl.batching.trained_copies`: the first one on the log whose parse status is ok),
+not merely the first record of its id. The first mismatch stops the replay and names the step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from pipeline.audit.views import Audit
 from pipeline.errors import RankFailedError
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, weight_hash
+from pipeline.rl.batching import trained_copies
 from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.settings import (
     DEFAULT_REPLAY_RANKS,
@@ -82,6 +84,12 @@ def _archived(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
         yield decode(topic, data, max_bytes=max(len(data), DEFAULT_MAX_PAYLOAD_BYTES))
 
 
+def _every_copy(audit: Audit, kind: str, topic: Topic) -> Iterator[Event]:
+    for payload in audit.every_copy(kind):
+        data = payload.encode()
+        yield decode(topic, data, max_bytes=max(len(data), DEFAULT_MAX_PAYLOAD_BYTES))
+
+
 def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], None] | None = None,
                     max_ranks: int = DEFAULT_REPLAY_RANKS) -> TrainingReplay:
     """Replay `role`'s recorded steps; stop at the first mismatch, or at a step recorded with more than `max_ranks`
@@ -97,7 +105,10 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
             batch_events: dict[str, Event] = {str(e.event_id): e for e in _archived(
                 audit, "TrajectoryCompleted", TRAJECTORIES)}
         else:
-            batch_events = {str(e.event_id): e for e in _archived(audit, "ExtractionGenerated", EXTRACTIONS)}
+            # Not the first copy of each id (the `events` view) but the one the trainer's join kept: a generation
+            # distilled again is published again under its id, and a copy that is not a sample never joined.
+            batch_events = dict(trained_copies(e for e in _every_copy(audit, "ExtractionGenerated", EXTRACTIONS)
+                                               if isinstance(e, ExtractionGenerated)))
     if 0 not in policies:
         report.problem = f"no PolicyPublished(role={role}, version=0) in the archive of {run_dir}"
         return report
@@ -125,7 +136,9 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
                 return report
             missing = [e for e in recorded.batch_event_ids if e not in batch_events]
             if missing:
-                report.problem = f"{where}: {len(missing)} batch events are not in the archive, e.g. {missing[0]}"
+                which = " with parse status ok" if role == "extractor" else ""
+                report.problem = (f"{where}: {len(missing)} batch events are not in the archive{which}, e.g. "
+                                  f"{missing[0]}")
                 return report
             batch = [batch_events[e] for e in recorded.batch_event_ids]
             samples = _samples(role, batch, recorded, settings)

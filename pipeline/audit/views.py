@@ -444,6 +444,20 @@ class Audit:
             raise AuditQueryError(str(exc)) from exc
         return [column[0] for column in cursor.description], rows
 
+    def every_copy(self, kind: str) -> Iterator[str]:
+        """The payload of every archived record of `kind` once per log position, in log order (topic, partition,
+        log, offset): unlike the `events` view, the same event id published again at another offset (an extraction
+        distilled again, an episode played again) is kept, so a caller can choose the copy a worker used."""
+        if not segment_files(self.root):
+            return
+        pattern = _sql_string(str(self.root / "*" / "*.parquet"))
+        rows = self.connection.execute(
+            f"SELECT any_value(payload) FROM read_parquet({pattern}, union_by_name = true) WHERE kind = ? "
+            "GROUP BY topic, partition, log_id, \"offset\" ORDER BY topic, partition, log_id, \"offset\"",
+            [kind]).fetchall()
+        for (payload,) in rows:
+            yield payload
+
     def recent_events(self, kind: str | None = None, limit: int = 20) -> tuple[list[str], list[tuple[Any, ...]]]:
         if kind is not None and kind not in EVENT_TYPES:
             raise AuditQueryError(f"unknown kind {kind!r}; known kinds: {', '.join(sorted(EVENT_TYPES))}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,24 @@ class StepCollector:
         return lowest
 
 
+def is_sample(event: ExtractionGenerated) -> bool:
+    """Whether a generation is an extractor sample: it produced experiences (parse status ok)."""
+    return event.parse_status == "ok"
+
+
+def trained_copies(events: Iterable[ExtractionGenerated]) -> dict[str, ExtractionGenerated]:
+    """By event id, the copy of each generation `ExtractorJoin` keeps from `events` in log order: the first one that
+    is a sample. A generation's event id is derived from its generation id, so an extractor that distils a
+    trajectory again (a re-delivered trajectory, a restart) publishes it again under the same id with what it samples
+    then: other tokens, and possibly another parse status. A copy that is not a sample never enters the join, so the
+    copy a step trained on is not always the first one on the log; what `crl replay train` must rebuild is this one."""
+    kept: dict[str, ExtractionGenerated] = {}
+    for event in events:
+        if is_sample(event):
+            kept.setdefault(str(event.event_id), event)
+    return kept
+
+
 @dataclass
 class _Generation:
     event: ExtractionGenerated
@@ -135,7 +154,7 @@ class ExtractorJoin:
         self._arrivals = 0
 
     def add_extraction(self, event: ExtractionGenerated) -> None:
-        if event.parse_status != "ok" or str(event.event_id) in self.generations:
+        if not is_sample(event) or str(event.event_id) in self.generations:
             return  # only generations that produced experiences are samples; re-deliveries count once
         key = str(event.event_id)
         self._arrivals += 1
