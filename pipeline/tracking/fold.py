@@ -23,6 +23,8 @@ from pipeline.actor.schedule import Schedule, trajectory_event_id
 from pipeline.actor.settings import SchedulerSettings
 from pipeline.bank.state import Applied, BankState, Rejected
 from pipeline.envs.settings import EnvSettings
+from pipeline.extractor.ops import generation_event_id
+from pipeline.extractor.protocol import distill_generation_id
 from pipeline.rl.settings import ActorTrainerSettings
 from schemas.base import Event, Producer
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
@@ -138,10 +140,10 @@ class RunTracking:
         self.ops_read_to = 0
         """One past the newest op offset read."""
         self.active = 0
-        self.parse: dict[str, str] = {}
-        """Generation event id -> parse status (first wins)."""
-        self._extractor_steps: list[TrainStepCompleted] = []
-        """Extractor steps whose batch has generations not read yet."""
+        self.parse: dict[str, tuple[str, float]] = {}
+        """Generation event id -> (parse status, when it was made) of its first copy."""
+        self._distilled: dict[int, frozenset[str]] = {}
+        """Scheduler step -> the generation ids distilling its train episodes, until all are read."""
         self._bank_cuts: dict[int, int] = {}
         """Scheduler step -> the op offset its bank stopped at (once its train episodes are all in)."""
         self._last_cut = 0
@@ -161,8 +163,8 @@ class RunTracking:
         if isinstance(event, TrainStepCompleted):
             return self._train_step(event)
         if isinstance(event, ExtractionGenerated):
-            self.parse.setdefault(str(event.event_id), event.parse_status)
-            return self._extractor_parse()
+            self.parse.setdefault(str(event.event_id), (event.parse_status, _wall(event)))
+            return self._parse_entries()
         if isinstance(event, ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired):
             self._op(event, offset)
             return self._bank_entries()
@@ -226,6 +228,10 @@ class RunTracking:
                 self._bank_cuts[event.step] = max(offsets)
             else:
                 entries += self._samples(event.step, record)
+            distilled = self._distilled_ids(episodes)
+            if distilled:
+                self._distilled[event.step] = distilled
+                entries += self._parse_entries()
         record.held = []
         return entries + self._bank_entries()
 
@@ -353,25 +359,36 @@ class RunTracking:
             else:
                 tag = f"train/{role}/{name}"
             entries.append(Scalar(tag, step, float(value), wall))
-        if role == "extractor":
-            self._extractor_steps.append(event)
-            entries += self._extractor_parse()
         return entries
 
-    def _extractor_parse(self) -> list[Entry]:
+    def _distilled_ids(self, episodes: Sequence[TrajectoryCompleted]) -> frozenset[str]:
+        """The event ids of the generations that distil the step's train episodes, as the extractor picks them
+        (`extractor.distill`: all, or guided only; never an episode its engine failed); none in the grpo arm."""
+        assert self.started is not None and self.run_id is not None
+        config = self.started.config
+        if config.get("scheduler", {}).get("arm") == "grpo":
+            return frozenset()
+        guided_only = config.get("extractor", {}).get("distill", "all") == "guided"
+        return frozenset(str(generation_event_id(distill_generation_id(self.run_id, t.trajectory_id)))
+                         for t in episodes if t.env_error is None and (t.guided or not guided_only))
+
+    def _parse_entries(self) -> list[Entry]:
+        """The share of a step's distillations that parsed (`ok` or `no_op`), once every one of them is read (the
+        first copy of each: a generation distilled again keeps its id)."""
         entries: list[Entry] = []
-        waiting = []
-        for event in self._extractor_steps:
-            statuses = [self.parse.get(i) for i in event.batch_event_ids]
-            if None in statuses:
-                waiting.append(event)
+        for step in sorted(self._distilled):
+            ids = self._distilled[step]
+            if not all(i in self.parse for i in ids):
                 continue
+            del self._distilled[step]
+            statuses = [self.parse[i][0] for i in ids]
+            wall = max(self.parse[i][1] for i in ids)
             errors = sum(status == "parse_error" for status in statuses) / len(statuses)
-            entries += [Scalar("extractor/parse_ok", event.step, 1.0 - errors, _wall(event)),
-                        Scalar("extractor/parse_error", event.step, errors, _wall(event))]
-        self._extractor_steps = waiting
+            entries += [Scalar("extractor/parse_ok", step, 1.0 - errors, wall),
+                        Scalar("extractor/parse_error", step, errors, wall),
+                        Scalar("extractor/no_op", step, sum(status == "no_op" for status in statuses) / len(statuses),
+                               wall)]
         return entries
-
 
 def fold(events: Iterable[tuple[Event, int]], run_id: str | None = None, samples_per_step: int = 2) -> list[Entry]:
     """Every entry of a sequence of (event, offset)."""

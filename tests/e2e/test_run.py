@@ -153,6 +153,12 @@ def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl
         assert live[f"scalar\tbank/size\t{step}"] > 0 and f"text\trollout/samples\t{step}" in live
     assert "served experience: " in live["text\trollout/samples\t3"]
     assert "text\trun/config\t0" in live  # (four steps are too few for the extractor trainer's first step)
+    with Audit(run_dir) as audit:  # the share of each step's distillations that parsed
+        parsed = audit.query("SELECT step, avg((parse_status <> 'parse_error')::INT) FROM extraction_generated "
+                             "WHERE purpose = 'distill' GROUP BY step")[1]
+    assert len(parsed) == 4
+    assert _same_entries({key: live[key] for key in live if "extractor/parse_ok" in key},
+                         {f"scalar\textractor/parse_ok\t{step}": share for step, share in parsed}) == []
 
     rebuilt = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr

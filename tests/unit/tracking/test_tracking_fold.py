@@ -11,6 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from pipeline.actor.schedule import trajectory_event_id
+from pipeline.extractor.ops import generation_event_id
+from pipeline.extractor.protocol import distill_generation_id
 from pipeline.tracking.backends import TensorBoardBackend
 from pipeline.tracking.fold import RunTracking, Scalar, Text, as_table, fold, schedule_from
 from pipeline.tracking.readback import tensorboard_entries
@@ -47,6 +49,7 @@ def _episodes(step: int, successes: list[bool], bank_offset: int | None = None,
         guided = assignment.guided
         episodes.append(example.model_copy(update={
             "event_id": trajectory_event_id(str(assignment.event_id)), "assignment_event_id": str(assignment.event_id),
+            "trajectory_id": f"{assignment.group_id}-k{assignment.slot}",
             "step": step, "group_id": assignment.group_id, "slot": assignment.slot, "guided": guided,
             "success": success, "reward": float(success), "occurred_at": T0 + timedelta(seconds=10 * step
                                                                                          + assignment.slot),
@@ -134,32 +137,54 @@ def test_train_steps_are_shown_under_the_trainer_namespaces():
     assert tracking.add(step, 1) == [], "a step published twice is shown once"
 
 
-def test_an_extractor_step_shows_how_much_of_its_batch_parsed_once_the_generations_are_read():
+def test_the_extractor_trainer_step_is_shown_under_its_namespaces():
     tracking = RunTracking()
     tracking.add(_started(), 0)
-    generation = EXAMPLES["ExtractionGenerated"]
-    assert isinstance(generation, ExtractionGenerated)
-    ok = generation.model_copy(update={"event_id": uuid.uuid4()})
-    failed = generation.model_copy(update={"event_id": uuid.uuid4(), "parse_status": "parse_error",
-                                           "parse_error": "no <answer>", "op_ids": ()})
     step = TrainStepCompleted(
-        run_id=RUN, producer=WHO, role="extractor", step=1, policy_version=1,
-        batch_event_ids=(str(ok.event_id), str(failed.event_id), str(ok.event_id), str(ok.event_id)),
+        run_id=RUN, producer=WHO, role="extractor", step=1, policy_version=1, batch_event_ids=("g",),
         weight_hash_before="a" * 64, weight_hash_after="b" * 64, loss=0.5, tokens=10, loss_variant="cispo",
         aggregation="token-mean", metrics={"extractor/reward_mean": 0.25, "train/clip_fraction": 0.0})
-    assert _scalars(tracking.add(ok, 0)) == {}
     assert _scalars(tracking.add(step, 0)) == {("train/extractor/loss", 1): 0.5, ("train/extractor/tokens", 1): 10.0,
                                                 ("extractor/reward", 1): 0.25, ("train/extractor/clip_frac", 1): 0.0}
-    assert _scalars(tracking.add(failed, 1)) == {("extractor/parse_ok", 1): 0.75, ("extractor/parse_error", 1): 0.25}
+
+
+def _distillation(episode: TrajectoryCompleted, status: str) -> ExtractionGenerated:
+    example = EXAMPLES["ExtractionGenerated"]
+    assert isinstance(example, ExtractionGenerated)
+    generation_id = distill_generation_id(RUN, episode.trajectory_id)
+    update: dict = {"event_id": generation_event_id(generation_id), "generation_id": generation_id,
+                    "parse_status": status}
+    if status != "ok":
+        update |= {"op_ids": (), "parse_error": "no <answer>" if status == "parse_error" else None}
+    return example.model_copy(update=update)
+
+
+def test_a_step_shows_how_many_of_its_distillations_parsed_once_all_are_read():
+    tracking = RunTracking()
+    tracking.add(_started(), 0)
+    episodes = _episodes(0, [False] * 4)
+    statuses = ["ok", "parse_error", "no_op", "ok"]
+    entries = [e for episode in episodes for e in tracking.add(episode, 0)]
+    assert not [e for e in entries if e.tag.startswith("extractor/")], "no distillation read yet"
+    generations = [_distillation(episode, status) for episode, status in zip(episodes, statuses, strict=True)]
+    assert _scalars(tracking.add(generations[0], 0) + tracking.add(generations[1], 1)
+                    + tracking.add(generations[2], 2)) == {}
+    again = generations[1].model_copy(update={"parse_status": "ok", "parse_error": None, "op_ids": ("x-op0",)})
+    assert tracking.add(again, 3) == [], "the first copy of a generation distilled again counts"
+    assert _scalars(tracking.add(generations[3], 4)) == {
+        ("extractor/parse_ok", 0): 0.75, ("extractor/parse_error", 0): 0.25, ("extractor/no_op", 0): 0.25}
 
 
 def _run_by_topic() -> dict[str, list]:
     served = (ExperienceRef(experience_id="exp-1", version=1, generation_id="gen-1"),)
+    episodes = [*_episodes(0, [True, False, False, True]),
+                *_episodes(1, [True, True, False, False], bank_offset=1, served=served)]
     return {
         "runs": [_started()],
-        "trajectories": [*_episodes(0, [True, False, False, True]),
-                         *_episodes(1, [True, True, False, False], bank_offset=1, served=served)],
+        "trajectories": episodes,
         "ops": [_added(1), _added(2)],
+        "extractions": [_distillation(episode, "parse_error" if i % 3 == 0 else "ok")
+                        for i, episode in enumerate(episodes)],
     }
 
 
@@ -175,7 +200,8 @@ def test_the_entries_do_not_depend_on_the_order_across_topics(seed):
         offset, event = queues[name].pop(0)
         interleaved.append((event, offset))
     assert as_table(fold(interleaved)) == as_table(in_order)
-    assert len(as_table(in_order)) == 24  # config; per step 7 scalars and samples; the bank: 7 scalars, ops written
+    # config; per step 7 scalars, samples and 3 parse shares; the bank: 7 scalars and the ops written
+    assert len(as_table(in_order)) == 30
 
 
 def test_a_restarted_tracker_writes_each_entry_once(tmp_path):
@@ -189,7 +215,7 @@ def test_a_restarted_tracker_writes_each_entry_once(tmp_path):
     for event, offset in events:
         second.add(event, offset)
     second.close()
-    assert (first.written, second.written) == (1, 23)  # the first saw only RunStarted of what it shows
+    assert (first.written, second.written) == (1, 29)  # the first saw only RunStarted of what it shows
     written = tensorboard_entries(tmp_path / "tensorboard")
     expected = as_table(fold(events))
     assert set(written) == set(expected)
