@@ -143,6 +143,18 @@ class Settings(BaseSettings):
                                  "backend, or lora.rank 0")
         return self
 
+    @model_validator(mode="after")
+    def _deterministic_in_lock_step(self) -> Settings:
+        if not self.scheduler.deterministic:
+            return self
+        needs = {"scheduler.staleness": (self.scheduler.staleness, 0),
+                 "scheduler.max_steps_ahead": (self.scheduler.max_steps_ahead, 0),
+                 "launch.extractor_workers": (self.launch.extractor_workers, 1)}
+        wrong = [f"{name} is {value}, needs {needed}" for name, (value, needed) in needs.items() if value != needed]
+        if wrong:
+            raise ValueError("scheduler.deterministic runs in lock step: " + "; ".join(wrong) + " (docs/determinism.md)")
+        return self
+
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or self.run_dir.resolve().name

@@ -13,7 +13,7 @@ from schemas.experiences import (
     VersionedExperience,
 )
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StepSettled, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES, TOPICS, Topic, topic_named, topic_of
 from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
@@ -23,7 +23,7 @@ __all__ = [
     "EVENT_TYPES", "TOPICS", "BankSnapshotWritten", "DeadLetter", "EmbeddingVector", "EpisodeAssigned", "Event",
     "EventDecodeError", "ExperienceAdded", "ExperienceMerged", "ExperienceRef", "ExperienceRefined",
     "ExperienceRetired", "ExtractionGenerated", "Float16s", "Id", "LogProbs", "MergeRequested", "PolicyPublished",
-    "Producer", "RunFinished", "RunResumed", "RunStarted", "StopRequested", "Timings", "TokenIds", "Topic",
+    "Producer", "RunFinished", "RunResumed", "RunStarted", "StepSettled", "StopRequested", "Timings", "TokenIds", "Topic",
     "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "WarmStartProgressed", "decode",
     "encode", "topic_named", "topic_of",
 ]

@@ -20,7 +20,7 @@ from schemas.experiences import (
     VersionedExperience,
 )
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StepSettled, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.topics import EVENT_TYPES
 from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
@@ -44,6 +44,8 @@ def example_events(run_id: str = "example-run") -> list[Event]:
         MergeRequested(**common, merge_id="merge-step-5", step=5, task_families=("minihack-room",)),
         StopRequested(**common, reason="operator pressed Ctrl-C"),
         RunResumed(**common, attempt=1, previous_status="stopped"),
+        StepSettled(**common, role="extractor", step=2, extractor_version=1, bank_offset=41,
+                    extraction_event_ids=("5d2f4a0c-0000-4000-8000-000000000002",)),
         EpisodeAssigned(**common, step=1, split="train", env_id="MiniHack-Room-Random-5x5-v0",
                         task_family="minihack-room", seed=1234, group_id="step1-task0", slot=2, group_size=4,
                         guided=True, policy_version=1, max_turns=30),

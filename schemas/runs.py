@@ -1,4 +1,5 @@
-"""Run lifecycle and control events (`crl.runs`, `crl.control`); the scheduler produces them."""
+"""Run lifecycle and control events (`crl.runs`, `crl.control`; the scheduler produces them), and deterministic mode's
+`StepSettled` (`crl.train-steps`)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,24 @@ class RunResumed(Event):
     previous_status: Literal["stopped", "failed", "interrupted"] = Field(
         description="How the previous attempt ended: stopped (RunFinished stopped), failed, or interrupted (no "
         "RunFinished: a crash, a kill, a lost broker).")
+
+
+class StepSettled(Event):
+    """On `crl.train-steps`. Deterministic mode (`scheduler.deterministic`): a worker finished its part of a step, so the next one may be
+    issued. The extractor trainer publishes it once it trained on every outcome of the step's train episodes (its
+    version is the one that distils the step); the extractor once it distilled every train episode of the step (in
+    trajectory-id order, with that version), ran the merge due after it, and read its ops back (`bank_offset`: where
+    the op log then ends, the bank the next step is served from)."""
+
+    kind: Literal["StepSettled"] = "StepSettled"
+    schema_version: Literal[1] = 1
+    role: Literal["extractor", "extractor_trainer"] = Field(description="Which worker settled the step.")
+    step: NonNegativeInt = Field(description="The step it settled.")
+    extractor_version: NonNegativeInt = Field(
+        description="The extractor trainer's version after the step (extractor_trainer); the version that distilled "
+        "the step (extractor).")
+    bank_offset: NonNegativeInt | None = Field(
+        default=None, description="extractor: the end of the op log once every op of the step was applied.")
+    extraction_event_ids: tuple[str, ...] = Field(
+        default=(), description="extractor: the `ExtractionGenerated` events it published for the step (distillations "
+        "and the merge), so the extractor trainer waits until it has read them all.")

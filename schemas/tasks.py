@@ -25,6 +25,11 @@ class EpisodeAssigned(Event):
     guided: bool = Field(description="True: retrieve an experience at episode start. False: play free.")
     policy_version: NonNegativeInt = Field(description="Oldest actor version allowed to play it (staleness bound).")
     max_turns: int = Field(gt=0, description="Turn limit for the episode.")
+    bank_position: NonNegativeInt | None = Field(
+        default=None,
+        description="Deterministic mode: a guided slot is served from the bank as of this op-log offset (every op "
+        "derived from the earlier steps, applied), and the rollout worker waits for its replica to get there. None: "
+        "whatever the replica holds when the episode starts (the recorded `bank_offset` says which).")
 
     @model_validator(mode="after")
     def _slot_in_group(self) -> EpisodeAssigned:

@@ -19,7 +19,7 @@ from schemas.base import Event
 from schemas.dead_letters import DeadLetter
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StepSettled, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.training import PolicyPublished, TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import TrajectoryCompleted
@@ -37,7 +37,7 @@ ExperienceOp = Annotated[
     ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired, Field(discriminator="kind")
 ]
 PolicyEvent = PolicyPublished
-TrainStepEvent = Annotated[TrainStepCompleted | WarmStartProgressed, Field(discriminator="kind")]
+TrainStepEvent = Annotated[TrainStepCompleted | WarmStartProgressed | StepSettled, Field(discriminator="kind")]
 BankSnapshotEvent = BankSnapshotWritten
 DeadLetterEvent = DeadLetter
 
@@ -143,12 +143,12 @@ POLICY = Topic(
 TRAIN_STEPS = Topic(
     name="crl.train-steps",
     partitions=1,
-    events=(TrainStepCompleted, WarmStartProgressed),
+    events=(TrainStepCompleted, WarmStartProgressed, StepSettled),
     adapter=TRAIN_STEP_EVENTS,
     key=lambda e: e.role,
     retention_ms=FOREVER,
-    description="Every optimiser step: its batch in order, weight hashes before/after, metrics; and how far each "
-    "trainer's warm start has come.",
+    description="Every optimiser step: its batch in order, weight hashes before/after, metrics; how far each "
+    "trainer's warm start has come; in deterministic mode, the steps the extractor trainer and the extractor settled.",
 )
 BANK_SNAPSHOTS = Topic(
     name="crl.bank-snapshots",

@@ -18,6 +18,7 @@ checkpoint and publish is healed on restart by publishing the checkpoint's own e
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -142,7 +143,9 @@ class ActorTrainer(Worker):
                                      parallel=context.parallel,
                                      temperature=context.settings.rollout.generation.temperature)
         self.collector = StepCollector(
-            self.settings.group_size, self.settings.groups_per_step, self.settings.group_timeout_s,
+            self.settings.group_size, self.settings.groups_per_step,
+            # deterministic mode never trains a step short of a group
+            math.inf if context.settings.scheduler.deterministic else self.settings.group_timeout_s,
             next_step=max(self.settings.warmup_steps, self.trainer.current.step + 1 if self.trainer.current.version
                           else 0),
         )

@@ -29,20 +29,29 @@ between batches. Until version 0 is published the worker holds what it receives 
 The runner hands every trajectory and merge request to `handle`, which holds it; after each poll (`after_poll`) the
 held trajectories are distilled in batches of `batch_size`, then the held merges run, then positions are committed.
 
+Deterministic mode (`scheduler.deterministic`, docs/determinism.md): nothing is distilled as it arrives. Step s is
+distilled once every episode of it finished (evaluation included, so no guided episode of the step is served from a
+bank that moves) and the extractor trainer settled it (`StepSettled`, naming the version to distil with): its train
+trajectories in trajectory-id order, in chunks of `batch_size`, each chunk reading the ops of the chunks before; then
+the merge due after step s; then the replica reads the op log to its end, and `StepSettled` (role extractor, that
+end as `bank_offset`, the generations' event ids) lets the scheduler issue step s + 1.
+
 Arms: in `grpo` there is no bank, so the worker only acknowledges its inputs.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.replica import BankReplica
 from pipeline.bank.retrieval import query_text
-from pipeline.errors import ParseError
+from pipeline.errors import InvalidStateError, ParseError
 from pipeline.extractor.ops import OpAuthor, Shown, distill_ops, eviction_ops, generation_record, merge_ops
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
@@ -61,16 +70,18 @@ from pipeline.extractor.protocol import (
 from pipeline.models.base import Generation, PolicyModel, SamplingParams, limit_threads
 from pipeline.models.policy_follower import PolicyFollower
 from pipeline.runtime.context import WorkerContext
+from pipeline.runtime.log import Follow, FollowedView, events_to_end
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
-from pipeline.runtime.transport import Position
+from pipeline.runtime.transport import Position, Record
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
+from schemas.codec import EventDecodeError, decode
 from schemas.experiences import (
     ExperienceAdded,
 )
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested
-from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, POLICY, TRAJECTORIES
+from schemas.runs import MergeRequested, StepSettled
+from schemas.topics import CONTROL, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, POLICY, TRAIN_STEPS, TRAJECTORIES
 from schemas.trajectories import TrajectoryCompleted
 
 if TYPE_CHECKING:
@@ -78,12 +89,38 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+class SettledSteps(FollowedView):
+    """Follows `crl.train-steps` for one role's `StepSettled` of one run (the extractor reads its trainer's this way:
+    consuming the topic would order the two kinds' starts in a cycle)."""
+
+    def __init__(self, follow: Follow, role: str, run_id: str) -> None:
+        self.role, self.run_id = role, run_id
+        self._settled: dict[int, StepSettled] = {}
+        self._lock = threading.Lock()
+        self.follower = follow([TRAIN_STEPS], self._on_record, name=f"settled-{role}")
+
+    def get(self, step: int) -> StepSettled | None:
+        if self.failure is not None:
+            raise InvalidStateError(f"the {self.role} settlement follower stopped: {self.failure}") from self.failure
+        with self._lock:
+            return self._settled.get(step)
+
+    def _on_record(self, record: Record) -> None:
+        try:
+            event = decode(TRAIN_STEPS, record.value)
+        except EventDecodeError:
+            return  # dead-lettered by the workers that consume crl.train-steps
+        if isinstance(event, StepSettled) and event.role == self.role and event.run_id == self.run_id:
+            with self._lock:
+                self._settled.setdefault(event.step, event)
+
+
 class Extractor(Worker):
     name = "extractor"
     consumes = (TRAJECTORIES, CONTROL)
     consumption = "group"
-    produces = (EXTRACTIONS, EXPERIENCE_OPS_TOPIC)
-    follows = (POLICY, EXPERIENCE_OPS_TOPIC)
+    produces = (EXTRACTIONS, EXPERIENCE_OPS_TOPIC, TRAIN_STEPS)
+    follows = (POLICY, EXPERIENCE_OPS_TOPIC, TRAIN_STEPS)
     arms = ARMS_WITH_A_BANK
     instances = "extractor_workers"
 
@@ -110,6 +147,18 @@ class Extractor(Worker):
         self._last_wait_log = 0.0
         self.statuses: Counter[str] = Counter()
         self.op_kinds: Counter[str] = Counter()
+        self.deterministic = settings.scheduler.deterministic
+        self.schedule = settings.schedule()
+        self.steps = settings.scheduler.steps
+        self.arrived: dict[int, set[str]] = {}
+        """Deterministic mode: the trajectory ids of each step read so far (every split)."""
+        self.trainer_settled = SettledSteps(context.follow, "extractor_trainer", self.run_id) \
+            if self.deterministic else None
+        self.next_step = 0
+        """Deterministic mode: the next step to distil (one past the last this run's extractor settled)."""
+        self._expected: dict[int, frozenset[str]] = {}
+        self._published: list[str] = []
+        """Event ids of the `ExtractionGenerated` published since the step began (deterministic mode)."""
 
     @classmethod
     def build(cls, context: WorkerContext) -> Extractor:
@@ -129,10 +178,17 @@ class Extractor(Worker):
                                    settings.run_dir, settings.bank.exact_threshold,
                                    run_id=settings.resolved_run_id, hnsw=settings.bank.hnsw_options()).start()
         self.encoder = load_sentence_encoder(self.embedding_model)
+        if self.trainer_settled is not None:
+            self.trainer_settled.start()
+            for event in events_to_end(self.context.log, TRAIN_STEPS):
+                if isinstance(event, StepSettled) and event.run_id == self.run_id and event.role == "extractor":
+                    self.next_step = max(self.next_step, event.step + 1)
 
     def handle(self, event: Event, origin: Origin) -> list[Event]:
         if self.arm == "grpo" or event.run_id != self.run_id:
             return []
+        if isinstance(event, TrajectoryCompleted) and self.deterministic:
+            self.arrived.setdefault(event.step, set()).add(event.trajectory_id)
         if (isinstance(event, TrajectoryCompleted) and self._distils(event)) or isinstance(event, MergeRequested):
             self.held.append((event, origin))
         return []
@@ -152,6 +208,8 @@ class Extractor(Worker):
         if self.arm == "grpo":
             return
         self.held = [(event, origin) for event, origin in self.held if io.owns((origin.topic, origin.partition))]
+        if self.deterministic:
+            return self._settle_steps(io)
         self._follow_policy()
         if self.policy is None:
             now = time.monotonic()
@@ -168,6 +226,56 @@ class Extractor(Worker):
         for event, _ in held:
             if isinstance(event, MergeRequested):
                 self.merge(event, io)
+
+    def _settle_steps(self, io: WorkerIO) -> None:
+        """Deterministic mode: distil, merge and settle every step that is due, in order."""
+        while self.next_step < self.steps:
+            step = self.next_step
+            expected = self._expected.setdefault(step, self.schedule.trajectory_ids(step))
+            assert self.trainer_settled is not None
+            trainer = self.trainer_settled.get(step)
+            if not expected <= self.arrived.get(step, set()) or trainer is None:
+                return
+            merges = [e for e, _ in self.held if isinstance(e, MergeRequested) and e.step == step]
+            if step + 1 < self.steps and self.schedule.merge_due(step + 1) and not merges:
+                return  # the scheduler requests it once every episode of the step finished
+            if not self._load_version(trainer.extractor_version):
+                return
+            by_id = {e.trajectory_id: e for e, _ in self.held if isinstance(e, TrajectoryCompleted) and e.step == step}
+            trajectories = [by_id[key] for key in sorted(by_id)]
+            self._published = []
+            size = self.settings.batch_size
+            for start in range(0, len(trajectories), size):
+                self.distill(trajectories[start:start + size], io)
+            for merge in merges[:1]:
+                self.merge(merge, io)
+            self._sync(strict=True)
+            assert self.replica is not None
+            io.publish(StepSettled(
+                event_id=scheduled_id(self.run_id, "settled", "extractor", step), run_id=self.run_id,
+                producer=self.producer, role="extractor", step=step, extractor_version=self.version,
+                bank_offset=self.replica.offset, extraction_event_ids=tuple(self._published)))
+            self.held = [(e, o) for e, o in self.held if e.step != step]
+            io.commit()
+            log.info("step %d settled: %d trajectories distilled with extractor version %d, bank at offset %d",
+                     step, len(trajectories), self.version, self.replica.offset)
+            self.next_step += 1
+
+    def _load_version(self, version: int) -> bool:
+        """Deterministic mode: have exactly `version` loaded (False while its `PolicyPublished` is not seen)."""
+        if self.version == version:
+            return True
+        event = self.follower.published(version)
+        if event is None:
+            return False
+        policy = self.follower.load(event, self.generation.backend, self.generation.device,
+                                    micro_batch_size=self.generation.micro_batch, seed=self.generation.seed,
+                                    keeping=self.version, current=self.policy, precision=self.generation.precision)
+        if policy is None:
+            raise InvalidStateError(f"extractor version {version}, named by the extractor trainer for a step, failed "
+                                    "its checksum: a deterministic run cannot go on without it")
+        self.policy, self.version = policy, version
+        return True
 
     def _distils(self, trajectory: TrajectoryCompleted) -> bool:
         if trajectory.split != "train":
@@ -200,10 +308,15 @@ class Extractor(Worker):
                                       show_progress_bar=False)
         return [EmbeddingVector.from_array(self.embedding_model, vector) for vector in vectors]
 
-    def _sync(self) -> None:
-        """Let the replica apply every op on the log now, our own included (read your writes)."""
+    def _sync(self, strict: bool = False) -> None:
+        """Let the replica apply every op on the log now, our own included (read your writes). Deterministic mode
+        cannot go on with less: it waits, and fails after 60 times `replica_wait_s`."""
         assert self.replica is not None
         end = self.context.log.end_offsets(EXPERIENCE_OPS_TOPIC)[0]
+        strict = strict or self.deterministic
+        if strict and not self.replica.wait_for_offset(end, 60 * self.settings.replica_wait_s):
+            raise InvalidStateError(f"bank replica at offset {self.replica.offset}, not {end}, after "
+                                    f"{60 * self.settings.replica_wait_s:.0f}s: deterministic mode needs every op")
         if not self.replica.wait_for_offset(end, self.settings.replica_wait_s):
             log.warning("bank replica at offset %d, not %d, after %.1fs; going on with what it has",
                         self.replica.offset, end, self.settings.replica_wait_s)
@@ -270,6 +383,7 @@ class Extractor(Worker):
 
     def _publish(self, io: WorkerIO, generation: ExtractionGenerated, ops: list[Event]) -> None:
         self.statuses[generation.parse_status] += 1
+        self._published.append(str(generation.event_id))
         io.publish(generation)
         for op in ops:
             self.op_kinds[op.kind] += 1

@@ -11,6 +11,12 @@ buffer holds `buffer_size` samples (paper 64) the oldest ones form a batch: `A_i
 the sampling log-probs recorded in the event. Checkpoint, then `PolicyPublished(extractor)` and `TrainStepCompleted`
 (with each sample's reward, advantage and outcome count, so `crl replay train` re-runs it exactly).
 
+Deterministic mode (`scheduler.deterministic`, docs/determinism.md): it trains at step boundaries only. Once every
+train episode of step s is in, and every generation the extractor published for step s - 1 (listed by its
+`StepSettled`) has been read, it trains every batch the join can form, the ready samples ordered by (step,
+generation id) instead of by arrival, and publishes `StepSettled` (role extractor_trainer) with its version: the
+version the extractor distils step s with.
+
 Restart: the join state is rebuilt from the log. The worker keeps no positions: it re-reads `crl.extractions`,
 `crl.trajectories` and its own `TrainStepCompleted`s from offset 0 up to the high watermarks it saw at start, without
 training, and only then trains on new evidence. Which samples were trained, how often and on how many outcomes
@@ -23,6 +29,7 @@ import logging
 import statistics
 import time
 
+from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
 from pipeline.rl.data_parallel import DataParallel
@@ -43,6 +50,7 @@ from pipeline.runtime.transport import OffsetStore
 from pipeline.settings import Settings
 from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated
+from schemas.runs import StepSettled
 from schemas.topics import EXTRACTIONS, POLICY, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
@@ -84,8 +92,20 @@ class ExtractorTrainer(Worker):
                                      announce=context.announce,
                                      parallel=context.parallel,
                                      temperature=context.settings.extractor.generation.temperature)
-        self.join = ExtractorJoin()
+        settings = context.settings
+        self.deterministic = settings.scheduler.deterministic
+        self.join = ExtractorJoin(canonical=self.deterministic)
         self._started: float | None = None
+        self.schedule = settings.schedule()
+        self.steps = settings.scheduler.steps
+        self.producer = Producer(worker=self.name, instance=context.instance)
+        self.arrived: dict[int, set[str]] = {}
+        """Deterministic mode: the train trajectory ids of each step read so far."""
+        self.extractions: set[str] = set()
+        """Deterministic mode: the event ids of every `ExtractionGenerated` read (samples or not)."""
+        self.extractor_settled: dict[int, StepSettled] = {}
+        self.next_step = 0
+        """Deterministic mode: the next step to settle (one past the last this run's trainer settled)."""
 
     @classmethod
     def build(cls, context: WorkerContext) -> ExtractorTrainer:
@@ -126,8 +146,15 @@ class ExtractorTrainer(Worker):
             return []  # another run's events never enter this run's batches or credit
         if isinstance(event, ExtractionGenerated):
             self.join.add_extraction(event)
+            self.extractions.add(str(event.event_id))
         elif isinstance(event, TrajectoryCompleted):
             self.join.add_trajectory(event)
+            if event.split == "train":
+                self.arrived.setdefault(event.step, set()).add(event.trajectory_id)
+        elif isinstance(event, StepSettled) and event.role == "extractor":
+            self.extractor_settled.setdefault(event.step, event)
+        elif isinstance(event, StepSettled):
+            self.next_step = max(self.next_step, event.step + 1)
         elif isinstance(event, TrainStepCompleted):
             self.join.add_train_step(event)
         return []
@@ -135,6 +162,8 @@ class ExtractorTrainer(Worker):
     def after_poll(self, io: WorkerIO) -> None:
         """Once the join is rebuilt from the log, train every batch it can form."""
         self.trainer.keep_alive()  # data parallel: the other ranks wait for the next batch
+        if self.deterministic and io.caught_up():
+            return self._settle_steps(io)
         if self.arm in FROZEN_EXTRACTOR_ARMS or not io.caught_up():
             return
         if self._started is not None:
@@ -145,6 +174,29 @@ class ExtractorTrainer(Worker):
         while (batch := self.join.batch(self.trainer.current.version + 1, self.settings.buffer_size,
                                         self.settings.count_alpha, self.settings.count_delta)) is not None:
             self.train(batch, io)
+
+    def _settle_steps(self, io: WorkerIO) -> None:
+        """Deterministic mode: train on each step's outcomes once they and the generations they credit are all in,
+        then name the version that distils the step (`StepSettled`)."""
+        while self.next_step < self.steps:
+            step = self.next_step
+            if not self.schedule.trajectory_ids(step, "train") <= self.arrived.get(step, set()):
+                return
+            if step > 0:
+                before = self.extractor_settled.get(step - 1)
+                if before is None or not set(before.extraction_event_ids) <= self.extractions:
+                    return
+            while self.arm not in FROZEN_EXTRACTOR_ARMS and (batch := self.join.batch(
+                    self.trainer.current.version + 1, self.settings.buffer_size, self.settings.count_alpha,
+                    self.settings.count_delta)) is not None:
+                self.train(batch, io)
+            io.publish(StepSettled(
+                event_id=scheduled_id(self.trainer.run_id, "settled", "extractor_trainer", step),
+                run_id=self.trainer.run_id, producer=self.producer, role="extractor_trainer", step=step,
+                extractor_version=self.trainer.current.version))
+            io.commit()
+            log.info("step %d settled at extractor version %d", step, self.trainer.current.version)
+            self.next_step += 1
 
     def train(self, batch: ExtractorBatch, io: WorkerIO) -> None:
         step = self.trainer.current.version + 1

@@ -26,6 +26,11 @@ trajectory is played by one version, which it records; an assignment that names 
 the staleness bound, waits for it) and `crl.experience-ops` (the bank replica guided episodes are served from). The
 runner polls between turns, so long episodes never make the worker leave its consumer group.
 
+Deterministic mode (`scheduler.deterministic`, docs/determinism.md): an assignment is played by exactly the actor
+version it names (loaded when no episode is in flight, before the next assignment is admitted); a guided one waits,
+unadmitted, until the bank replica has applied the op log up to the assignment's `bank_position`; each retrieval is
+served alone on the worker's thread and each episode generates alone (`EpisodePlayer(deterministic=True)`).
+
 Search-and-ask (off by default, `CRL_ROLLOUT__SEARCH_AND_ASK`): a guided episode may answer `ask <question>` up to
 `max_ask_calls` times; the bank is searched with the question (in the background, like the start retrieval: the
 episode sits out until the answer is there, bounded by the same wait) and the experience found is shown on its next
@@ -78,7 +83,8 @@ class Rollout(Worker):
         limit_threads(self.generation.threads)
         self.player = EpisodePlayer(self.settings, context.settings.envs, run_id=self.run_id,
                                     producer=Producer(worker=self.name, instance=context.instance),
-                                    seed=self.generation.seed)
+                                    seed=self.generation.seed,
+                                    deterministic=context.settings.scheduler.deterministic)
         self.queue: deque[tuple[EpisodeAssigned, Origin]] = deque()
         self.finished_window: list[TrajectoryCompleted] = []
         self._replica: BankReplica | None = None
@@ -134,9 +140,19 @@ class Rollout(Worker):
         return self.follower.newer_than(self.player.version)
 
     def _follow_policy(self) -> None:
+        if self.player.deterministic:
+            return self._follow_assigned()
         newer = self._newer_version()
         if newer is not None and not self.player.active:
             self._load(newer)
+
+    def _follow_assigned(self) -> None:
+        """Deterministic mode: load the version the next assignment names, once no episode is in flight."""
+        if self.player.active or not self.queue:
+            return
+        wanted = self.queue[0][0].policy_version
+        if wanted != self.player.version and (event := self.follower.published(wanted)) is not None:
+            self._load(event)
 
     def _load(self, event: PolicyPublished) -> None:
         policy = self.follower.load(event, self.generation.backend, self.generation.device,
@@ -147,18 +163,34 @@ class Rollout(Worker):
             self.player.policy, self.player.version = policy, event.version
 
     def _admit(self) -> None:
-        if self.player.policy is None or self._newer_version() is not None:
-            return  # nothing loaded yet, or a newer version waits for the episodes in flight to finish
+        if self.player.policy is None:
+            return  # nothing loaded yet
+        if not self.player.deterministic and self._newer_version() is not None:
+            return  # a newer version waits for the episodes in flight to finish
         admitted: list[tuple[EpisodeAssigned, Position, int]] = []
         while self.queue and len(self.player.active) + len(admitted) < self.settings.max_concurrent_episodes:
             assignment, origin = self.queue[0]
             if assignment.policy_version > self.player.version:
                 break  # the staleness bound: wait for that version (assignments keep their order)
+            if self.player.deterministic and (assignment.policy_version != self.player.version
+                                              or not self._bank_at(assignment)):
+                break  # exactly its version, and the bank as of its position
             self.queue.popleft()
             admitted.append((assignment, (origin.topic, origin.partition), origin.offset))
         if any(assignment.guided for assignment, _, _ in admitted) and self.player.retriever is None:
             self.player.retriever = self._retriever()
         self.player.start(admitted)
+
+    def _bank_at(self, assignment: EpisodeAssigned) -> bool:
+        """Deterministic mode: whether a guided assignment's bank is there (the replica applied the op log up to its
+        `bank_position`). Nothing of this run is written past that position while the step plays: the extractor
+        distils a step only once every episode of it finished."""
+        if not assignment.guided or assignment.bank_position is None:
+            return True
+        if self.player.retriever is None:
+            self.player.retriever = self._retriever()
+        assert self._replica is not None
+        return self._replica.offset >= assignment.bank_position
 
     def _retriever(self) -> Retriever:
         """The bank replica and the encoder, built when the first guided episode arrives (warm-up needs neither)."""

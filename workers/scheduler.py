@@ -13,6 +13,10 @@ In order:
    - (step 0, every arm with a bank) the extractor has published its version 0, so the warm-up fills the bank.
    Every `merge_every` steps it publishes `MergeRequested` first; every `eval_every` steps (and after the last) it
    adds evaluation groups on the fixed eval pool: one guided and one free slot per task (`grpo`: one free).
+   Deterministic mode (`scheduler.deterministic`, docs/determinism.md) adds a barrier: step s is issued only once
+   every episode of step s - 1 (evaluation included) finished, the merge due after s - 1 was requested, and the
+   extractor published `StepSettled` for s - 1; its slots carry that event's `bank_offset` as `bank_position`, the
+   bank their guided episodes are served from.
 3. `RunFinished` once every scheduled episode has a `TrajectoryCompleted`, with the run's rollout metrics; or early
    (status `stopped`) on `StopRequested`.
 
@@ -29,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.actor.schedule import finished_id, scheduled_id
 from pipeline.envs.registry import env_spec
@@ -39,9 +44,9 @@ from pipeline.runtime.offsets import FromTheStart
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
 from pipeline.runtime.transport import OffsetStore
 from schemas.base import Event, Producer
-from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StopRequested
+from schemas.runs import MergeRequested, RunFinished, RunResumed, RunStarted, StepSettled, StopRequested
 from schemas.tasks import EpisodeAssigned
-from schemas.topics import CONTROL, POLICY, RUNS, TASKS, TRAJECTORIES
+from schemas.topics import CONTROL, POLICY, RUNS, TASKS, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
 
@@ -57,7 +62,7 @@ class _StepRecord:
 
 class Scheduler(Worker):
     name = "scheduler"
-    consumes = (POLICY, TRAJECTORIES, CONTROL)
+    consumes = (POLICY, TRAJECTORIES, CONTROL, TRAIN_STEPS)
     consumption = "assign"
     produces = (RUNS, CONTROL, TASKS)
     clock = True
@@ -83,6 +88,9 @@ class Scheduler(Worker):
         self.resumes_seen = 0
         """`RunResumed` events handled so far: a `StopRequested` is in force only after the last of them."""
         self._last_wait_log = 0.0
+        self.deterministic = context.settings.scheduler.deterministic
+        self.settled: dict[int, StepSettled] = {}
+        """Deterministic mode: the extractor's `StepSettled` by step."""
 
     @classmethod
     def build(cls, context: WorkerContext) -> Scheduler:
@@ -125,6 +133,8 @@ class Scheduler(Worker):
             self.stop_request = None  # a stop before a resume ended the previous attempt, not this one
         elif isinstance(event, StopRequested) and self.resumes_seen >= self.attempt:
             self.stop_request = event
+        elif isinstance(event, StepSettled) and event.role == "extractor":
+            self.settled.setdefault(event.step, event)
         return []
 
     def after_poll(self, io: WorkerIO) -> None:
@@ -139,9 +149,9 @@ class Scheduler(Worker):
             step = self.next_step
             planned = self._planned(step)
             if not all(e.event_id in self.on_log for e in planned):  # else issued before a restart
-                if not self._ready(step):
+                if not self._ready(step) or (self.deterministic and not self._settled(io, step, planned)):
                     return self._waiting(f"step {step}")
-                self._publish_missing(io, planned)
+                self._publish_missing(io, self._planned(step))  # deterministic: now with its bank position
                 train = [e for e in planned if isinstance(e, EpisodeAssigned) and e.split == "train"]
                 log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s",
                          step, len(train), sum(e.guided for e in train), len(self.steps[step].eval_ids),
@@ -154,8 +164,9 @@ class Scheduler(Worker):
 
     def _planned(self, step: int) -> list[Event]:
         """What step `step` publishes: a merge request if due, its train groups, its evaluation if due."""
-        train = self.schedule.train_assignments(self.run_id, self.producer, step)
-        evaluation = self.schedule.eval_assignments(self.run_id, self.producer, step) \
+        position = self._bank_position(step)
+        train = self.schedule.train_assignments(self.run_id, self.producer, step, position)
+        evaluation = self.schedule.eval_assignments(self.run_id, self.producer, step, position) \
             if self.schedule.eval_due(step) else []
         record = self.steps.setdefault(step, _StepRecord())
         record.train_ids = {e.event_id for e in train}
@@ -166,6 +177,25 @@ class Scheduler(Worker):
             task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
         )] if self.schedule.merge_due(step) else []
         return [*merge, *train, *evaluation]
+
+    def _bank_position(self, step: int) -> int | None:
+        """Deterministic mode: the op-log offset step `step` is served at, the end of the log once the extractor
+        settled step - 1 (None before that is known, for step 0, whose bank is empty, and outside the mode)."""
+        settled = self.settled.get(step - 1) if self.deterministic else None
+        return settled.bank_offset if settled is not None else None
+
+    def _settled(self, io: WorkerIO, step: int, planned: list[Event]) -> bool:
+        """Deterministic mode's barrier before `step`: every episode of the step before finished; then the merge due
+        is requested (the extractor runs it after distilling that step) and the extractor settled that step."""
+        if step == 0:
+            return True
+        before = self.steps[step - 1]
+        if not self._done(before.train_ids | before.eval_ids):
+            return False
+        merge = [e for e in planned if isinstance(e, MergeRequested) and e.event_id not in self.on_log]
+        if merge:
+            self._publish_missing(io, merge)
+        return self.settings.scheduler.arm not in ARMS_WITH_A_BANK or step - 1 in self.settled
 
     def _waiting(self, what: str) -> None:
         now = time.monotonic()

@@ -280,9 +280,13 @@ class EpisodePlayer:
     """Episodes in flight, played one batched turn at a time with `policy` (set `policy` and `version` first)."""
 
     def __init__(self, settings: RolloutSettings, envs: EnvSettings, *, run_id: str,
-                 producer: Producer, retriever: Retriever | None = None, seed: int = 0) -> None:
+                 producer: Producer, retriever: Retriever | None = None, seed: int = 0,
+                 deterministic: bool = False) -> None:
         """`seed` is the run's sampling seed (`rollout.generation.seed`): with each episode's id and turn it keys
-        the episode's sampling streams (`turn_seed`)."""
+        the episode's sampling streams (`turn_seed`). `deterministic` (`scheduler.deterministic`): each retrieval
+        is served on the playing thread, alone and diversified by its slot (`Retriever.retrieve_slot`), and each
+        episode generates alone, so not even the float rounding of a batched forward pass (its log-probs, which
+        the trainer's importance ratios use) depends on what else is in flight."""
         self.settings = settings
         self.envs = EnvPool(envs)
         self.run_id = run_id
@@ -298,6 +302,7 @@ class EpisodePlayer:
         self.calls = 0
         self.background = BackgroundRetrieval()
         self.stats = RetrievalStats()
+        self.deterministic = deterministic
 
     @property
     def waiting(self) -> list[Episode]:
@@ -353,6 +358,15 @@ class EpisodePlayer:
 
         if self.retriever is None:
             raise InvalidStateError("guided episodes need a retriever")
+        if self.deterministic:
+            for episode, question in zip(episodes, questions, strict=True):
+                future: Future[Retrieval] = Future()
+                query = Query(query_text(episode.goal, question), episode.assignment.task_family,
+                              episode.assignment.step)
+                # a start retrieval is diversified by the slot (guided slots come first); an ask as if alone
+                future.set_result(self.retriever.retrieve_slot(query, 0 if episode.turns else episode.assignment.slot))
+                episode.pending, episode.pending_since = future, time.monotonic()
+            return
         futures = self.background.submit(self.retriever, [
             Query(query_text(e.goal, q), e.assignment.task_family, e.assignment.step)
             for e, q in zip(episodes, questions, strict=True)])
@@ -431,8 +445,12 @@ class EpisodePlayer:
         # whose keys and values the policy kept (`PolicyModel.generate`), so only the rest is prefilled again.
         # Each row samples from its episode's own stream for this turn, whatever else is in the batch.
         seeds = [turn_seed(self.seed, episode_id(e.assignment), len(e.turns)) for e in ready]
-        generations = self.policy.generate(prompts, self.sampling, seeds=seeds,
-                                           sessions=[e.assignment.event_id for e in ready])
+        sessions = [e.assignment.event_id for e in ready]
+        if self.deterministic:  # one row per call: no batch shape in its arithmetic
+            generations = [self.policy.generate([prompt], self.sampling, seeds=[seed], sessions=[session])[0]
+                           for prompt, seed, session in zip(prompts, seeds, sessions, strict=True)]
+        else:
+            generations = self.policy.generate(prompts, self.sampling, seeds=seeds, sessions=sessions)
         self.calls += 1
         share = (time.perf_counter() - started) / len(ready)
         questions: list[tuple[Episode, str]] = []

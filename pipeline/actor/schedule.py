@@ -71,8 +71,10 @@ class Schedule:
         every = self.scheduler.merge_every
         return every > 0 and self.scheduler.arm != "grpo" and step > 0 and step % every == 0
 
-    def train_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
-        """The train slots of `step`, in publishing order (group, slot)."""
+    def train_assignments(self, run_id: str, producer: Producer, step: int,
+                          bank_position: int | None = None) -> list[EpisodeAssigned]:
+        """The train slots of `step`, in publishing order (group, slot); `bank_position`: deterministic mode's
+        op-log offset its guided slots are served at."""
         k = self.group_size
         guided = self.guided_slots(step)
         version = self.required_version(step)
@@ -85,10 +87,11 @@ class Schedule:
                     event_id=scheduled_id(run_id, "train", step, g, slot), run_id=run_id, producer=producer,
                     step=step, split="train", env_id=entry.env_id, task_family=spec.task_family, seed=seed,
                     group_id=group_id, slot=slot, group_size=k, guided=slot < guided, policy_version=version,
-                    max_turns=entry.max_turns or spec.max_turns))
+                    max_turns=entry.max_turns or spec.max_turns, bank_position=bank_position))
         return episodes
 
-    def eval_assignments(self, run_id: str, producer: Producer, step: int) -> list[EpisodeAssigned]:
+    def eval_assignments(self, run_id: str, producer: Producer, step: int,
+                         bank_position: int | None = None) -> list[EpisodeAssigned]:
         """Evaluation slots after `step`: every task of every environment's eval pool (unseen in training; group ids
         `eval-s<step>-<env>-t<i>`), then the first `eval_recurring_per_env` tasks of its train pool (tasks that come
         back; `...-r<i>`), each `eval_repeats` times guided and as often free (the `grpo` arm: free only)."""
@@ -113,5 +116,13 @@ class Schedule:
                         producer=producer, step=step, split="eval", env_id=entry.env_id,
                         task_family=spec.task_family, seed=seed, group_id=group_id, slot=slot, group_size=size,
                         guided=slot < guided_slots, policy_version=version,
-                        max_turns=entry.max_turns or spec.max_turns))
+                        max_turns=entry.max_turns or spec.max_turns, bank_position=bank_position))
         return episodes
+
+    def trajectory_ids(self, step: int, split: str | None = None) -> frozenset[str]:
+        """The trajectory ids (`<group_id>-k<slot>`) of every episode `step` schedules, or of one split's."""
+        producer = Producer(worker="schedule", instance="ids")
+        episodes = self.train_assignments("ids", producer, step) if split in (None, "train") else []
+        if split in (None, "eval") and self.eval_due(step):
+            episodes += self.eval_assignments("ids", producer, step)
+        return frozenset(f"{e.group_id}-k{e.slot}" for e in episodes)

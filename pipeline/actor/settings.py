@@ -39,6 +39,14 @@ class SchedulerSettings(BaseModel):
         default=1, ge=0,
         description="Step s is issued only after every train episode of step s - 1 - max_steps_ahead finished.")
     merge_every: int = Field(default=5, ge=0, description="MergeRequested after every N steps (paper 5; 0 = never).")
+    deterministic: bool = Field(
+        default=False,
+        description="Run in lock step, so that the run is a function of its config and seeds (docs/determinism.md): "
+        "step s is issued once every episode of step s - 1 finished, the actor trained on it, the extractor trainer "
+        "trained on its outcomes and the extractor distilled it (in trajectory-id order, with the version the trainer "
+        "named) and ran the merge due; its guided episodes are served from the bank as of that point, each episode "
+        "generates alone and plays exactly its assigned actor version. Needs staleness 0, max_steps_ahead 0 and one "
+        "extractor worker; costs wall time (nothing overlaps across steps). Off: the asynchronous default.")
     eval_every: int = Field(
         default=5, ge=0,
         description="Evaluation episodes on the fixed eval pool every N steps and after the last (0 = never).")

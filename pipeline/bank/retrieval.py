@@ -266,6 +266,28 @@ class Retriever:
             self.counters.batches += 1
         return results
 
+    def retrieve_slot(self, query: Query, earlier: int) -> Retrieval:
+        """Deterministic mode's retrieval: `query` alone (one encode, one search row), diversified as if the `earlier`
+        guided slots of its group had just been served the same query, from fresh counters. So what a slot gets is a
+        function of the bank state and its slot, not of which episodes this process served before it; the counters
+        this Retriever keeps for `retrieve_many` are left alone."""
+        vectors = self._embed([query.text])
+        k = self.settings.top_k * self.settings.oversample
+        if self.settings.serve == "other-task":
+            k = max(k, len(self.bank.state.experiences))
+        candidates, bank_offset = self.bank.search_candidates(vectors[query.text][None, :], [query.task_family], k)
+        served: dict[str, ServeRecord] = {}
+        chosen: list[RetrievedExperience] = []
+        for _ in range(earlier + 1):
+            chosen = diversify(candidates[0], served, query.step, self.settings)
+            for experience in chosen:
+                record = served.setdefault(experience.experience_id, ServeRecord())
+                record.count, record.last_step = record.count + 1, query.step
+        with self._serve_lock:
+            self.counters.queries += 1
+            self.counters.batches += 1
+        return Retrieval(tuple(chosen), bank_offset)
+
     def served(self, experience_id: str) -> ServeRecord:
         """A copy of what this Retriever has served of `experience_id` (count 0 if never)."""
         with self._serve_lock:

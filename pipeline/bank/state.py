@@ -289,13 +289,16 @@ class BankState:
             if experience.active and (task_family is None or experience.task_family == task_family):
                 yield experience
 
-    def state_hash(self) -> str:
+    def state_hash(self, run_id: str | None = None) -> str:
         """sha256 over the canonical, id-sorted content: id, family, version, status, text, lineage, credit
         (generation, extractor version, source trajectories), every version's text and op, and the key bytes.
 
         A content hash: log offsets are not in it (the history keeps them for audit), nor wall time or counters, so a
         log with a re-published op (a producer retry lands it twice, the second a duplicate) hashes like the same log
         without it.
+
+        run_id: leave this run id out of every id (experience, generation and op ids begin with it), so two runs of one
+        config compare by content (`pipeline.audit.fingerprint`).
         """
         digest = hashlib.sha256()
         digest.update(json.dumps({"key_model": self.key_model, "key_dim": self.key_dim}).encode())
@@ -309,7 +312,8 @@ class BankState:
                 [[v.version, v.text, v.op_id, v.op_kind, v.generation_id, v.extractor_version,
                   list(v.source_trajectory_ids)] for v in experience.history],
             ]
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+            text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+            line = (text.replace(json.dumps(run_id + "-")[1:-1], "") if run_id else text).encode()
             digest.update(len(line).to_bytes(8, "little"))
             digest.update(line)
             digest.update(experience.key.astype("<f2").tobytes())

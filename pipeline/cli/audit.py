@@ -146,3 +146,34 @@ def audit_experience(
         table.add_row(escape(row["trajectory_id"]), str(row["step"]), str(row["version"]),
                       "yes" if row["success"] else "no", f"{row['reward']:g}")
     console.print(table)
+
+
+@audit_app.command("fingerprint", help=(
+    "Per step, hashes of what a run played (token ids, actions, rewards; sampling log-probs apart), the bank its "
+    "guided episodes were served from and the weights after every train step, from the archive. With a second run "
+    "directory: which of those differ between the two runs (exit 1 if any). Two runs of one config and seed in "
+    "deterministic mode (`scheduler.deterministic`) agree on every line."
+))
+def audit_fingerprint(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
+    other: Annotated[Path | None, typer.Argument(help="A second run directory to compare with.")] = None,
+) -> None:
+    from pipeline.audit.fingerprint import run_fingerprint
+
+    for path in (run_dir, other):
+        if path is not None and not path.is_dir():
+            raise fail(f"no run directory at {path}", 2)
+    mine = run_fingerprint(run_dir)
+    if other is None:
+        for name, digest in mine.parts().items():
+            print(f"{name} {digest}")
+        return
+    theirs = run_fingerprint(other)
+    differing = set(mine.differences(theirs))
+    mine_parts, theirs_parts = mine.parts(), theirs.parts()
+    for name in sorted(mine_parts.keys() | theirs_parts.keys(), key=lambda n: [int(p) if p.isdigit() else p
+                                                                               for p in n.split("/")]):
+        print(f"{'DIFFERS' if name in differing else 'same   '} {name}")
+    print(f"{len(mine_parts.keys() | theirs_parts.keys()) - len(differing)} parts agree, {len(differing)} differ")
+    if differing:
+        raise typer.Exit(1)

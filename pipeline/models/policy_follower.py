@@ -78,6 +78,7 @@ class PolicyFollower(FollowedView):
     def __init__(self, follow: Follow, role: Role) -> None:
         self.role = role
         self._newest: PolicyPublished | None = None
+        self._versions: dict[int, PolicyPublished] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.refused: set[int] = set()
@@ -96,6 +97,13 @@ class PolicyFollower(FollowedView):
         if newest is None or newest.version <= version or newest.version in self.refused:
             return None
         return newest
+
+    def published(self, version: int) -> PolicyPublished | None:
+        """The first `PolicyPublished` of `version` seen (None: not yet; deterministic mode plays exact versions)."""
+        if self.failure is not None:
+            raise InvalidStateError(f"the policy follower stopped: {self.failure}") from self.failure
+        with self._lock:
+            return self._versions.get(version)
 
     def load(self, event: PolicyPublished, backend: str, device: str = "cpu", *, micro_batch_size: int = 8,
              seed: int = 0, keeping: int = -1, current: PolicyModel | None = None,
@@ -132,6 +140,7 @@ class PolicyFollower(FollowedView):
             return  # dead-lettered by whoever consumes crl.policy in a runner
         if isinstance(event, PolicyPublished) and event.role == self.role:
             with self._changed:
+                self._versions.setdefault(event.version, event)
                 if self._newest is None or event.version > self._newest.version:
                     self._newest = event
                     self._changed.notify_all()

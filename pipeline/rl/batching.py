@@ -126,7 +126,8 @@ def trained_copies(events: Iterable[ExtractionGenerated]) -> dict[str, Extractio
 @dataclass
 class _Generation:
     event: ExtractionGenerated
-    arrival: int
+    arrival: tuple[int, str]
+    """What "oldest" means: the order of arrival, or (canonical) the generation's step and id."""
     trainings: set[int] = field(default_factory=set)
     """Extractor steps that trained on it."""
     outcomes_trained: int = 0
@@ -146,7 +147,10 @@ class ExtractorBatch:
 class ExtractorJoin:
     """Generations, the outcomes credited to them, and which were trained: all rebuilt from events."""
 
-    def __init__(self) -> None:
+    def __init__(self, canonical: bool = False) -> None:
+        """canonical: order samples by (step, generation id) rather than by arrival, so which generations form a
+        batch does not depend on when they were read (deterministic mode)."""
+        self.canonical = canonical
         self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
         self.by_generation_id: dict[str, str] = {}
         self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
@@ -158,7 +162,7 @@ class ExtractorJoin:
             return  # only generations that produced experiences are samples; re-deliveries count once
         key = str(event.event_id)
         self._arrivals += 1
-        generation = _Generation(event, self._arrivals)
+        generation = _Generation(event, (event.step, event.generation_id) if self.canonical else (self._arrivals, ""))
         self.generations[key] = generation
         self.by_generation_id[event.generation_id] = key
         for step, outcomes in self.trained.pop(key, []):
@@ -199,7 +203,8 @@ class ExtractorJoin:
         ready = self.ready()
         if len(ready) < size:
             return None
-        chosen = sorted(ready[:size])  # the oldest `size`, in event-id order
+        # the oldest `size`, in event-id order (canonical: in (step, generation id) order, as event ids carry the run id)
+        chosen = ready[:size] if self.canonical else sorted(ready[:size])
         generations = [self.generations[key] for key in chosen]
         outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
         rewards = torch.tensor([statistics.fmean(o.values()) for o in outcome_sets])

@@ -91,7 +91,7 @@ def test_kinds_per_topic() -> None:
         "crl.extractions": ("ExtractionGenerated",),
         "crl.experience-ops": ("ExperienceAdded", "ExperienceRefined", "ExperienceMerged", "ExperienceRetired"),
         "crl.policy": ("PolicyPublished",),
-        "crl.train-steps": ("TrainStepCompleted", "WarmStartProgressed"),
+        "crl.train-steps": ("TrainStepCompleted", "WarmStartProgressed", "StepSettled"),
         "crl.bank-snapshots": ("BankSnapshotWritten",),
         "crl.dead-letters": ("DeadLetter",),
     }
