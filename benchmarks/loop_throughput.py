@@ -5,6 +5,7 @@ and 2, side by side: throughput after the warm starts, what each worker kind wai
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --quick    # 6 steps, 50 eval rooms per run
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --staleness 0 1 --keep
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --quick --staleness 0 --rollout-workers 1 2
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/loop_throughput.py --staleness 0 --modes async deterministic
 
 Every run is a real `crl run configs/tiny-minihack-room.yaml --no-report` (embedded Tansu, every worker a process),
 one after another, each in a fresh run directory under a temporary directory (removed at the end unless `--keep`);
@@ -46,6 +47,12 @@ Then `async_speedup_staleness1=` and `async_speedup_staleness2=` (`episodes_per_
 for staleness 1, `async_speedup_staleness1_goal=met|missed` except with `--quick`), each followed by
 `async_env_steps_speedup_staleness<k>=` (the same for `env_steps_per_s`: solved episodes are shorter, so the two can
 differ when the settings learn differently).
+
+With `--modes async deterministic` every staleness runs in the default asynchronous mode and in deterministic mode
+(`scheduler.deterministic`, which needs staleness 0 and runs at max_steps_ahead 0); the deterministic figures' prefix
+gains `_deterministic` and `deterministic_cost_staleness0=` is the asynchronous run's `episodes_per_s` over the
+deterministic one's (how many times longer the same work takes in lock step), `deterministic_window_ratio=` the
+windows' ratio.
 
 Then the learning figures, one line per setting under each heading so the trade is visible:
 - `staleness<k>_train_success`: success of the train episodes of the last `--last-steps` steps (default: the last
@@ -94,6 +101,7 @@ class Setting:
     max_steps_ahead: int
     run_dir: Path
     rollout_workers: int = 1
+    deterministic: bool = False
     label: str = ""
     """The prefix of its figures: `staleness<k>`, with `_rollout<n>` when several worker counts run."""
     run_s: float = 0.0
@@ -124,6 +132,7 @@ def run(setting: Setting, args: argparse.Namespace) -> None:
         "CRL_EXTRACTOR__GENERATION__SEED": str(args.seed),
         "CRL_RUNNER__METRICS_INTERVAL_S": "1",
         "CRL_LAUNCH__ROLLOUT_WORKERS": str(setting.rollout_workers),
+        "CRL_SCHEDULER__DETERMINISTIC": str(setting.deterministic).lower(),
     })
     if args.eval_tasks is not None:
         env["CRL_ENVS__EVAL_TASKS_PER_ENV"] = str(args.eval_tasks)
@@ -267,6 +276,8 @@ def main() -> None:
     parser.add_argument("--rollout-workers", type=int, nargs="+", default=[1],
                         help="Rollout worker processes of each run (launch.rollout_workers); with several, every "
                         "staleness runs with each (e.g. --staleness 0 --rollout-workers 1 2).")
+    parser.add_argument("--modes", nargs="+", default=["async"], choices=["async", "deterministic"],
+                        help="Run each setting in these modes (deterministic: scheduler.deterministic, staleness 0).")
     parser.add_argument("--steps", type=int, default=None, help="Steps per run (default: the config's 12; quick 6).")
     parser.add_argument("--max-steps-ahead", type=int, default=None,
                         help="scheduler.max_steps_ahead of every run (default: max(1, staleness)).")
@@ -297,10 +308,14 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="loop-throughput-"))
     several = len(args.rollout_workers) > 1 or args.rollout_workers != [1]
     settings = []
-    for k, workers in itertools.product(args.staleness, args.rollout_workers):
-        label = f"staleness{k}" + (f"_rollout{workers}" if several else "")
-        settings.append(Setting(k, args.max_steps_ahead if args.max_steps_ahead is not None else max(1, k),
-                                out / label, workers, label))
+    if "deterministic" in args.modes and any(k > 0 for k in args.staleness):
+        parser.error("deterministic mode runs at staleness 0 only: --staleness 0 --modes async deterministic")
+    for k, workers, mode in itertools.product(args.staleness, args.rollout_workers, args.modes):
+        label = f"staleness{k}" + (f"_rollout{workers}" if several else "") + \
+            ("_deterministic" if mode == "deterministic" else "")
+        ahead = 0 if mode == "deterministic" else \
+            args.max_steps_ahead if args.max_steps_ahead is not None else max(1, k)
+        settings.append(Setting(k, ahead, out / label, workers, mode == "deterministic", label))
     for setting in settings:
         if setting.run_dir.exists() and not (setting.run_dir / "archive").is_dir():
             parser.error(f"{setting.run_dir} exists without an archive: a run needs a fresh directory")
@@ -326,10 +341,20 @@ def main() -> None:
                 show(prefix + name, setting.figures[name], setting.notes.get(name))
             for name in [n for n in setting.figures if n.startswith("wait_share_")] + ["policy_lag"]:
                 show(prefix + name, setting.figures[name], setting.notes.get(name))
-        base = next((s for s in settings if s.staleness == 0 and s.rollout_workers == args.rollout_workers[0]), None)
+        for fixed in [s for s in settings if s.deterministic]:
+            free = next(s for s in settings if not s.deterministic and s.staleness == fixed.staleness
+                        and s.rollout_workers == fixed.rollout_workers) if "async" in args.modes else None
+            if free is not None:
+                suffix = f"_rollout{fixed.rollout_workers}" if several else ""
+                show(f"deterministic_cost_staleness{fixed.staleness}{suffix}",
+                     free.figures["episodes_per_s"] / fixed.figures["episodes_per_s"],
+                     "asynchronous episodes/s over deterministic")
+                show(f"deterministic_window_ratio{suffix}", fixed.figures["window_s"] / free.figures["window_s"])
+        base = next((s for s in settings if s.staleness == 0 and s.rollout_workers == args.rollout_workers[0]
+                     and not s.deterministic), None)
         if base is not None and len(args.staleness) > 1:
             for setting in settings:
-                if setting.rollout_workers != base.rollout_workers or setting is base:
+                if setting.rollout_workers != base.rollout_workers or setting is base or setting.deterministic:
                     continue
                 speedup = setting.figures["episodes_per_s"] / base.figures["episodes_per_s"]
                 show(f"async_speedup_staleness{setting.staleness}", speedup)
@@ -339,7 +364,8 @@ def main() -> None:
                      setting.figures["env_steps_per_s"] / base.figures["env_steps_per_s"])
         for first in [s for s in settings if s.rollout_workers == args.rollout_workers[0]]:
             for setting in settings:
-                if setting.staleness == first.staleness and setting is not first:
+                if setting.staleness == first.staleness and setting is not first \
+                        and setting.deterministic == first.deterministic:
                     show(f"rollout_workers_speedup_staleness{setting.staleness}_{setting.rollout_workers}",
                          setting.figures["episodes_per_s"] / first.figures["episodes_per_s"],
                          f"episodes/s with {setting.rollout_workers} rollout workers over {first.rollout_workers}")

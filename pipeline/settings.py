@@ -152,7 +152,8 @@ class Settings(BaseSettings):
                  "launch.extractor_workers": (self.launch.extractor_workers, 1)}
         wrong = [f"{name} is {value}, needs {needed}" for name, (value, needed) in needs.items() if value != needed]
         if wrong:
-            raise ValueError("scheduler.deterministic runs in lock step: " + "; ".join(wrong) + " (docs/determinism.md)")
+            raise ValueError("scheduler.deterministic runs in lock step: " + "; ".join(wrong)
+                             + " (docs/determinism.md)")
         return self
 
     @property

@@ -23,7 +23,7 @@ __all__ = [
     "EVENT_TYPES", "TOPICS", "BankSnapshotWritten", "DeadLetter", "EmbeddingVector", "EpisodeAssigned", "Event",
     "EventDecodeError", "ExperienceAdded", "ExperienceMerged", "ExperienceRef", "ExperienceRefined",
     "ExperienceRetired", "ExtractionGenerated", "Float16s", "Id", "LogProbs", "MergeRequested", "PolicyPublished",
-    "Producer", "RunFinished", "RunResumed", "RunStarted", "StepSettled", "StopRequested", "Timings", "TokenIds", "Topic",
-    "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "WarmStartProgressed", "decode",
-    "encode", "topic_named", "topic_of",
+    "Producer", "RunFinished", "RunResumed", "RunStarted", "StepSettled", "StopRequested", "Timings", "TokenIds",
+    "Topic", "TrainStepCompleted", "TrajectoryCompleted", "Turn", "VersionedExperience", "WarmStartProgressed",
+    "decode", "encode", "topic_named", "topic_of",
 ]

@@ -75,11 +75,11 @@ class RunResumed(Event):
 
 
 class StepSettled(Event):
-    """On `crl.train-steps`. Deterministic mode (`scheduler.deterministic`): a worker finished its part of a step, so the next one may be
-    issued. The extractor trainer publishes it once it trained on every outcome of the step's train episodes (its
-    version is the one that distils the step); the extractor once it distilled every train episode of the step (in
-    trajectory-id order, with that version), ran the merge due after it, and read its ops back (`bank_offset`: where
-    the op log then ends, the bank the next step is served from)."""
+    """On `crl.train-steps`. Deterministic mode (`scheduler.deterministic`): a worker finished its part of a step, so
+    the next one may be issued. The extractor trainer publishes it once it trained on every outcome of the step's
+    train episodes (its version is the one that distils the step); the extractor once it distilled every train
+    episode of the step (in trajectory-id order, with that version), ran the merge due after it, and read its ops
+    back (`bank_offset`: where the op log then ends, the bank the next step is served from)."""
 
     kind: Literal["StepSettled"] = "StepSettled"
     schema_version: Literal[1] = 1

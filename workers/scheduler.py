@@ -33,9 +33,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.actor.metrics import episode_metrics, summary_line
 from pipeline.actor.schedule import finished_id, scheduled_id
+from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.envs.registry import env_spec
 from pipeline.provenance import code_version, resolved_config
 from pipeline.runtime.context import WorkerContext
@@ -192,7 +192,7 @@ class Scheduler(Worker):
         before = self.steps[step - 1]
         if not self._done(before.train_ids | before.eval_ids):
             return False
-        merge = [e for e in planned if isinstance(e, MergeRequested) and e.event_id not in self.on_log]
+        merge: list[Event] = [e for e in planned if isinstance(e, MergeRequested) and e.event_id not in self.on_log]
         if merge:
             self._publish_missing(io, merge)
         return self.settings.scheduler.arm not in ARMS_WITH_A_BANK or step - 1 in self.settled

@@ -162,7 +162,9 @@ class ExtractorJoin:
             return  # only generations that produced experiences are samples; re-deliveries count once
         key = str(event.event_id)
         self._arrivals += 1
-        generation = _Generation(event, (event.step, event.generation_id) if self.canonical else (self._arrivals, ""))
+        order = ((-1 if event.step is None else event.step, event.generation_id) if self.canonical
+                 else (self._arrivals, ""))
+        generation = _Generation(event, order)
         self.generations[key] = generation
         self.by_generation_id[event.generation_id] = key
         for step, outcomes in self.trained.pop(key, []):
@@ -203,7 +205,7 @@ class ExtractorJoin:
         ready = self.ready()
         if len(ready) < size:
             return None
-        # the oldest `size`, in event-id order (canonical: in (step, generation id) order, as event ids carry the run id)
+        # the oldest `size`, in event-id order (canonical: (step, generation id) order; event ids carry the run id)
         chosen = ready[:size] if self.canonical else sorted(ready[:size])
         generations = [self.generations[key] for key in chosen]
         outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
