@@ -23,6 +23,17 @@ an archive is read instead of run again. Two experiments:
   `complementary_vs_static_extractor=` (train success ratios at equal environment steps, paired per step and
   group: both arms of a seed play the same task draws) with `_ci_low=`.
 
+Common random numbers: every arm of a seed plays the same task draws, and every episode samples from a stream keyed
+by the seed and the episode's identity (`pipeline.actor.episodes.turn_seed`), so the same slot of the same group
+draws the same random numbers in every arm; the arms differ only by what they are. The arms are compared on paired
+differences: `grpo_minus_control_<before|after>` (eval success of `grpo` minus `control` on each unseen room, at the
+first and the last evaluation) and `complementary_minus_grpo_free_after` (free slots, recurring corridors), with
+`complementary_vs_grpo` paired per group. Each comparison also prints `_unpaired_ci_low=` / `_unpaired_ci_high=`
+(each arm resampled on its own, as if the arms shared nothing) and `_ci_narrowing=`, the unpaired interval's width
+over the paired one's. `--independent-draws` gives each arm its own sampling seeds (the same tasks, other draws),
+which measures what sharing the draws adds to sharing the tasks. `--deterministic` runs every run in deterministic
+mode (`scheduler.deterministic`: lock step, docs/determinism.md), so a rerun gives the same figures.
+
 Intervals: a two-level bootstrap (seeds, then tasks or groups within each seed; `pipeline.audit.stats`), 95%
 percentile, 2,000 resamples. "At equal environment steps": the train groups after the warm-up in steps that began
 before the smallest total of actions any run of the two arms reached (`pipeline.audit.learning`). Random play's
@@ -88,11 +99,15 @@ EXPERIMENTS = {
 
 def run(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, run_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    # common random numbers: one sampling seed for every arm; --independent-draws gives each arm its own
+    draws = seed + 1000 * (1 + experiment.arms.index(arm)) if args.independent_draws else seed
     env.update({
-        "HF_HUB_OFFLINE": "1", "CRL_ENVS__SEED": str(seed), "CRL_ROLLOUT__GENERATION__SEED": str(seed),
-        "CRL_EXTRACTOR__GENERATION__SEED": str(seed), "CRL_ENVS__EVAL_SEED": str(args.eval_seed),
+        "HF_HUB_OFFLINE": "1", "CRL_ENVS__SEED": str(seed), "CRL_ROLLOUT__GENERATION__SEED": str(draws),
+        "CRL_EXTRACTOR__GENERATION__SEED": str(draws), "CRL_ENVS__EVAL_SEED": str(args.eval_seed),
         "CRL_SCHEDULER__EVAL_EVERY": str(args.steps),  # before training (step 0) and at the last step
     })
+    if args.deterministic:
+        env.update({"CRL_SCHEDULER__DETERMINISTIC": "true", "CRL_SCHEDULER__MAX_STEPS_AHEAD": "0"})
     if experiment.name == "room":
         env["CRL_ENVS__EVAL_TASKS_PER_ENV"] = str(args.eval_tasks)
     else:
@@ -116,6 +131,19 @@ def report(name: str, estimate: Estimate, goal: Callable[[Estimate], bool] | Non
     print(f"{name}_ci_high={estimate.high:.4f}")
     if check and goal is not None:
         print(f"{name}_goal={'met' if goal(estimate) else 'missed'} ({GOALS[name]})")
+
+
+def report_pair(name: str, paired: Estimate | None, unpaired: Estimate | None) -> None:
+    """A comparison of two arms: its paired interval (`report`), the unpaired one of the same runs, and how much
+    narrower the pairing made it."""
+    if paired is None or unpaired is None:
+        raise SystemExit(f"{name}: the runs lack the evaluations it compares")
+    report(name, paired, None, False)
+    print(f"{name}_unpaired_ci_low={unpaired.low:.4f}")
+    print(f"{name}_unpaired_ci_high={unpaired.high:.4f}")
+    width, unpaired_width = paired.high - paired.low, unpaired.high - unpaired.low
+    print(f"{name}_ci_narrowing={unpaired_width / width:.2f}" if width > 0 else
+          f"{name}_ci_narrowing=inf  # the paired interval is a point: every pair differs by the same amount")
 
 
 def print_arms(runs: dict[str, list[RunOutcomes]], resamples: int) -> None:
@@ -205,6 +233,11 @@ def main() -> None:
                         help="Run only these arms (an ablation): their evaluations are printed, no comparison.")
     parser.add_argument("--set", action="append", default=[], metavar="CRL_KEY=VALUE",
                         help="A setting for every run (an ablation: CRL_ACTOR_TRAINER__AGGREGATION=...); repeatable.")
+    parser.add_argument("--independent-draws", action="store_true",
+                        help="Give each arm its own sampling seeds: the same tasks, other draws (no common random "
+                        "numbers).")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="Run every run in deterministic mode (scheduler.deterministic, lock step).")
     args = parser.parse_args()
     for setting in args.set:
         if not setting.startswith("CRL_") or "=" not in setting:
@@ -213,7 +246,13 @@ def main() -> None:
         args.seeds, args.steps, args.eval_tasks, args.eval_repeats, args.unseen_tasks = 1, 3, 32, 2, 2
     check = not args.quick and args.seeds >= 5
     out = args.out or ROOT / "runs" / f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
-    from pipeline.audit.learning import eval_rise, guided_gap, load_outcomes, ratio_at_equal_env_steps
+    from pipeline.audit.learning import (
+        arm_difference,
+        eval_rise,
+        guided_gap,
+        load_outcomes,
+        ratio_at_equal_env_steps,
+    )
     from pipeline.envs.random_play import random_play
     from pipeline.envs.registry import task_pool
     from pipeline.settings import Settings
@@ -221,6 +260,8 @@ def main() -> None:
     print(f"seeds={args.seeds}")
     print(f"steps={args.steps}")
     print(f"eval_seed={args.eval_seed}")
+    print(f"common_random_numbers={'no' if args.independent_draws else 'yes'}")
+    print(f"deterministic={'yes' if args.deterministic else 'no'}")
     started = time.monotonic()
     for name in args.experiments:
         experiment = EXPERIMENTS[name]
@@ -248,6 +289,12 @@ def main() -> None:
                 raise SystemExit("the room runs need an evaluation before and after training")
             report("grpo_delta", grpo, lambda e: e.value >= 0.10 and e.low > 0, check)
             report("control_delta", control, lambda e: abs(e.value) < 0.05, check)
+            report_pair("grpo_minus_control_before", *(
+                arm_difference(runs["grpo"], runs["control"], "t", "first", guided=False, paired=paired,
+                               resamples=args.resamples) for paired in (True, False)))
+            report_pair("grpo_minus_control_after", *(
+                arm_difference(runs["grpo"], runs["control"], "t", "last", guided=False, paired=paired,
+                               resamples=args.resamples) for paired in (True, False)))
         else:
             corridor_diagnostics([out / name / f"complementary-s{seed}" for seed in range(args.seeds)])
             gap = guided_gap(runs["complementary"], "r", resamples=args.resamples)
@@ -261,6 +308,15 @@ def main() -> None:
                 ratio, budget = ratio_at_equal_env_steps(runs["complementary"], runs[other], args.resamples)
                 print(f"env_step_budget_{other}={budget}")
                 report(f"complementary_vs_{other}", ratio, goal, check)
+                unpaired, _ = ratio_at_equal_env_steps(runs["complementary"], runs[other], args.resamples,
+                                                       paired=False)
+                print(f"complementary_vs_{other}_unpaired_ci_low={unpaired.low:.4f}")
+                print(f"complementary_vs_{other}_unpaired_ci_high={unpaired.high:.4f}")
+                print(f"complementary_vs_{other}_ci_narrowing="
+                      f"{(unpaired.high - unpaired.low) / (ratio.high - ratio.low):.2f}")
+            report_pair("complementary_minus_grpo_free_after", *(
+                arm_difference(runs["complementary"], runs["grpo"], "r", "last", guided=False, paired=paired,
+                               resamples=args.resamples) for paired in (True, False)))
     print(f"benchmark_s={time.monotonic() - started:.0f}")
     print(f"# runs in {out}")
 

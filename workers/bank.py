@@ -35,6 +35,7 @@ from pipeline.runtime.transport import OffsetStore, Position
 from schemas.bank import BankSnapshotWritten
 from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated
+from schemas.runs import StepSettled
 from schemas.topics import BANK_SNAPSHOTS, EXPERIENCE_OPS_TOPIC, EXTRACTIONS, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import TrajectoryCompleted
@@ -125,8 +126,8 @@ class BankProjection(Worker):
             if event.role == "extractor":
                 self.usage.batches += [(event.step, event_id) for event_id in event.batch_event_ids]
             return ()
-        if isinstance(event, WarmStartProgressed):
-            return ()  # a trainer warming up: nothing of the bank's
+        if isinstance(event, WarmStartProgressed | StepSettled):
+            return ()  # a trainer warming up, a step settled in deterministic mode: nothing of the bank's
         assert isinstance(event, ExperienceOp)  # the op log is the one consumed topic left
         if self.log_id is None:
             self.log_id = origin.log_id

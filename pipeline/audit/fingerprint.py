@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pipeline.audit.track import archived_events
 from pipeline.bank.state import BankState
+from pipeline.errors import ConfigError
 from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRefined, ExperienceRetired
 from schemas.runs import RunStarted, StepSettled
 from schemas.training import TrainStepCompleted
@@ -84,7 +85,8 @@ def run_fingerprint(run_dir: Path) -> RunFingerprint:
         elif isinstance(event, TrainStepCompleted):
             steps.setdefault((event.role, event.step), event)
     if started is None:
-        raise ValueError(f"the archive of {run_dir} has no RunStarted")
+        raise ConfigError(f"the archive of {run_dir} has no RunStarted: it is not a run's archive, or the run never "
+                          "started")
     run_id = started.run_id
     fingerprint = RunFingerprint(run_id, bool(started.config.get("scheduler", {}).get("deterministic", False)))
     by_key: dict[EpisodeKey, list[TrajectoryCompleted]] = defaultdict(list)

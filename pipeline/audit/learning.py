@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.audit.stats import Estimate, bootstrap, success_rate
+from pipeline.audit.stats import Estimate, bootstrap, bootstrap_independent, success_rate
 from pipeline.audit.views import Audit
 from pipeline.errors import InvalidArgumentError
 
@@ -148,6 +148,29 @@ def guided_gap(runs: Sequence[RunOutcomes], pool: str, which: Literal["first", "
     by_run = {i: [(_mean(o[True]), _mean(o[False])) for o in run.evaluation(pool, which).values()
                   if o[True] and o[False]] for i, run in enumerate(runs)}
     return bootstrap(by_run, paired_difference, resamples=resamples) if any(by_run.values()) else None
+
+
+def arm_difference(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes], pool: str,
+                   which: Literal["first", "last"], guided: bool, paired: bool = True,
+                   resamples: int = 2000) -> Estimate | None:
+    """Success of arm `a` minus arm `b` at an evaluation, one slot kind. Runs pair by position (the same seed: the
+    same eval tasks, and with per-episode streams the same draws), tasks by (env id, task seed). paired: the interval
+    of the per-task differences (seeds, then tasks); otherwise each arm is resampled on its own
+    (`bootstrap_independent`), as if the arms shared nothing. The value is the same either way."""
+    if len(a) != len(b) or not a:
+        raise InvalidArgumentError(f"arms pair run by run: {len(a)} runs against {len(b)}")
+    pairs: dict[int, list[tuple[float, float]]] = {}
+    for i, (run_a, run_b) in enumerate(zip(a, b, strict=True)):
+        tasks_a, tasks_b = run_a.evaluation(pool, which), run_b.evaluation(pool, which)
+        pairs[i] = [(_mean(tasks_a[t][guided]), _mean(tasks_b[t][guided]))
+                    for t in sorted(tasks_a.keys() & tasks_b.keys()) if tasks_a[t][guided] and tasks_b[t][guided]]
+    if not any(pairs.values()):
+        return None
+    if paired:
+        return bootstrap(pairs, paired_difference, resamples=resamples)
+    return bootstrap_independent({i: [x for x, _ in units] for i, units in pairs.items()},
+                                 {i: [y for _, y in units] for i, units in pairs.items()},
+                                 lambda xs, ys: _mean(xs) - _mean(ys), resamples=resamples)
 
 
 def verdict(rise: Estimate | None) -> str:
@@ -302,10 +325,11 @@ def success_ratio(units: list[tuple[int, int, int, int]]) -> float:
 
 
 def ratio_at_equal_env_steps(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes],
-                             resamples: int = 2000) -> tuple[Estimate, int]:
+                             resamples: int = 2000, paired: bool = True) -> tuple[Estimate, int]:
     """Train success of arm `a` over arm `b` and the environment-step budget it was measured at: the smallest total
     any run of either arm played. Runs pair by position (the same seed: the same task draws per step), groups by
-    (step, group id); each unit is one pair of groups."""
+    (step, group id); each unit is one pair of groups. paired False: the same units, each arm resampled on its own
+    (`bootstrap_independent`)."""
     if len(a) != len(b) or not a:
         raise InvalidArgumentError(f"arms pair run by run: {len(a)} runs against {len(b)}")
     budget = min(sum(g.actions for g in run.train) for run in (*a, *b))
@@ -316,4 +340,13 @@ def ratio_at_equal_env_steps(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes],
                       len(gb.guided + gb.free))
                      for key in sorted(groups_a.keys() & groups_b.keys())
                      for ga, gb in [(groups_a[key], groups_b[key])]]
-    return bootstrap(by_run, success_ratio, resamples=resamples), budget
+    if paired:
+        return bootstrap(by_run, success_ratio, resamples=resamples), budget
+    sides = ({i: [(u[0], u[1], 0, 1) for u in units] for i, units in by_run.items()},
+             {i: [(u[2], u[3], 0, 1) for u in units] for i, units in by_run.items()})
+
+    def ratio(units_a: list[tuple[int, int, int, int]], units_b: list[tuple[int, int, int, int]]) -> float:
+        return (sum(u[0] for u in units_a) / sum(u[1] for u in units_a)) / \
+            (sum(u[0] for u in units_b) / sum(u[1] for u in units_b))
+
+    return bootstrap_independent(*sides, ratio, resamples=resamples), budget

@@ -10,6 +10,10 @@ run with replacement, carries both sources of variation into the interval; resam
 too narrow. A unit is one task of one run, so a paired comparison (guided against free on the same task, one arm
 against another on the same seed and task) passes both sides in one unit and the pairing survives the resampling.
 
+`bootstrap_independent` is the unpaired counterpart for two arms: each arm's runs and tasks are resampled on their
+own, as if the arms had drawn nothing in common. Set beside the paired interval of the same runs, it shows what the
+pairing (common random numbers: the same tasks and the same draws for both arms of a seed) takes out of the interval.
+
 Percentile intervals from `resamples` draws of a seeded generator: the same data and seed give the same interval.
 """
 
@@ -60,6 +64,43 @@ def bootstrap(by_seed: Mapping[Any, Sequence[T]], statistic: Callable[[list[T]],
         try:
             result = float(statistic(sample))
         except ZeroDivisionError:  # e.g. a ratio whose denominator this resample drew only zeros of
+            continue
+        if np.isfinite(result):
+            draws.append(result)
+    if not draws:
+        return Estimate(value, float("nan"), float("nan"), level)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return Estimate(value, float(low), float(high), level)
+
+
+def bootstrap_independent(a: Mapping[Any, Sequence[T]], b: Mapping[Any, Sequence[T]],
+                          statistic: Callable[[list[T], list[T]], float], *, resamples: int = 2000,
+                          level: float = 0.95, seed: int = 0) -> Estimate:
+    """`statistic(units of a, units of b)` with the percentile interval over `resamples` draws in which `a` and `b` are
+    resampled independently, each on two levels (its seeds, then the units within each drawn seed)."""
+    groups_a = [list(units) for units in a.values() if units]
+    groups_b = [list(units) for units in b.values() if units]
+    if not groups_a or not groups_b:
+        raise InvalidArgumentError("bootstrap_independent needs at least one unit on each side")
+    if not 0 < level < 1:
+        raise InvalidArgumentError(f"level must lie in (0, 1), got {level}")
+    value = float(statistic([u for units in groups_a for u in units], [u for units in groups_b for u in units]))
+    rng = np.random.default_rng(seed)
+
+    def draw(groups: list[list[T]]) -> list[T]:
+        sample: list[T] = []
+        for g in rng.integers(0, len(groups), size=len(groups)):
+            units = groups[int(g)]
+            sample += [units[int(i)] for i in rng.integers(0, len(units), size=len(units))]
+        return sample
+
+    draws = []
+    for _ in range(resamples):
+        sample_a, sample_b = draw(groups_a), draw(groups_b)
+        try:
+            result = float(statistic(sample_a, sample_b))
+        except ZeroDivisionError:
             continue
         if np.isfinite(result):
             draws.append(result)

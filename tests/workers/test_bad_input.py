@@ -68,7 +68,8 @@ def test_every_worker_kind_dead_letters_each_bad_record_once_and_keeps_going(kin
 @pytest.mark.parametrize("kind", sorted(k for k, w in WORKERS.items() if any(t.name == "crl.train-steps"
                                                                              for t in w.consumes)))
 def test_every_reader_of_the_train_steps_takes_each_kind_the_topic_carries(kind, tmp_path):
-    """`crl.train-steps` carries the warm starts' progress beside the steps: no consumer may choke on it."""
+    """`crl.train-steps` carries the warm starts' progress and deterministic mode's `StepSettled` beside the steps: no
+    consumer may choke on them."""
     from schemas.examples import example_events
     from schemas.topics import TRAIN_STEPS
 
@@ -76,6 +77,6 @@ def test_every_reader_of_the_train_steps_takes_each_kind_the_topic_carries(kind,
     log = [publish_policy(tmp_path, "actor"), publish_policy(tmp_path, "extractor")]
     worker, context = build_worker(WORKERS[kind], settings, log=log)
     events = [e for e in example_events(RUN) if e.kind in TRAIN_STEPS.kinds]
-    assert len(events) == len(TRAIN_STEPS.kinds) == 2
+    assert len(events) == len(TRAIN_STEPS.kinds) == 3
     result = run_worker(worker, events, context=context, blobs=context.blobs)
     assert result.dead_letters == []

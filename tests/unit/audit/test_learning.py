@@ -12,6 +12,7 @@ from test_report import archived, common, episode
 from pipeline.audit.learning import (
     RunOutcomes,
     TrainGroup,
+    arm_difference,
     arm_table,
     eval_rise,
     eval_success,
@@ -175,3 +176,32 @@ def test_a_run_with_one_evaluation_says_so_for_each_pool():
         "eval success, unseen tasks, guided", "eval success, unseen tasks, free",
         "eval success, recurring tasks, guided", "eval success, recurring tasks, free"]
     assert all(line.endswith("at step 0 (one evaluation)") for line in lines)
+
+
+def test_arms_differ_per_task_and_pairing_narrows_the_interval_when_tasks_vary_together():
+    # A and B share each task's difficulty: task 1 easy for both, task 2 hard for both; A is better by 0.5 on each.
+    def arm(rates: dict[int, tuple[bool, ...]]) -> RunOutcomes:
+        return outcomes({(9, ENV, "t", task): {True: [], False: list(results)} for task, results in rates.items()})
+
+    a = [arm({1: (True, True), 2: (True, False)}), arm({1: (True, True), 2: (True, False)})]
+    b = [arm({1: (True, False), 2: (False, False)}), arm({1: (True, False), 2: (False, False)})]
+    paired = arm_difference(a, b, "t", "last", guided=False)
+    unpaired = arm_difference(a, b, "t", "last", guided=False, paired=False)
+    # per task 1 - 0.5 and 0.5 - 0: every pair differs by exactly 0.5, so the paired interval is a point
+    assert paired == Estimate(0.5, 0.5, 0.5)
+    # alone, each arm's mean moves with which tasks a resample drew: A 0.5..1, B 0..0.5
+    assert unpaired.value == pytest.approx(0.5)
+    assert unpaired.low < 0.5 < unpaired.high
+    assert arm_difference(a, b, "t", "last", guided=True) is None  # no guided episodes
+    with pytest.raises(InvalidArgumentError, match="pair run by run"):
+        arm_difference(a, b[:1], "t", "last", guided=False)
+
+
+def test_the_unpaired_ratio_resamples_each_arm_on_its_own():
+    a = outcomes({}, [group(1, "g0", [], [True, True], 4), group(1, "g1", [], [True, False], 4)])
+    b = outcomes({}, [group(1, "g0", [], [True, False], 4), group(1, "g1", [], [False, False], 4)])
+    paired, budget = ratio_at_equal_env_steps([a], [b])
+    unpaired, _ = ratio_at_equal_env_steps([a], [b], paired=False)
+    # A 3 of 4, B 1 of 4: 3.0 either way; a resample of B's groups alone can draw g1 twice (a zero rate): skipped
+    assert budget == 8 and paired.value == unpaired.value == pytest.approx(3.0)
+    assert unpaired.high - unpaired.low >= paired.high - paired.low

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.audit.stats import bootstrap, success_rate
+from pipeline.audit.stats import bootstrap, bootstrap_independent, success_rate
 from pipeline.errors import InvalidArgumentError
 
 
@@ -63,3 +63,16 @@ def test_bad_input_is_refused_and_non_finite_resamples_are_skipped():
     by_seed = {0: [(1.0, 0.0), (1.0, 2.0)]}
     estimate = bootstrap(by_seed, lambda units: sum(a for a, _ in units) / sum(b for _, b in units), resamples=200)
     assert estimate.value == 1.0 and np.isfinite(estimate.low) and np.isfinite(estimate.high)
+
+
+def test_the_independent_bootstrap_resamples_each_side_apart():
+    a = {0: [1.0, 1.0], 1: [1.0, 1.0]}
+    b = {0: [0.0, 1.0], 1: [0.0, 1.0]}
+    estimate = bootstrap_independent(a, b, lambda xs, ys: sum(xs) / len(xs) - sum(ys) / len(ys), resamples=500)
+    assert estimate.value == pytest.approx(0.5)
+    # a has no variation; b's resampled mean runs from 0 to 1, so the difference from 0 to 1
+    assert 0.0 <= estimate.low < 0.5 < estimate.high <= 1.0
+    assert estimate == bootstrap_independent(a, b, lambda xs, ys: sum(xs) / len(xs) - sum(ys) / len(ys),
+                                             resamples=500), "seeded"
+    with pytest.raises(InvalidArgumentError, match="each side"):
+        bootstrap_independent(a, {}, lambda xs, ys: 0.0)
