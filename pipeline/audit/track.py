@@ -4,6 +4,7 @@ across topics; within a partition the archive gives the log's order)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from schemas.runs import RunStarted
 from schemas.topics import TOPICS
 
 
-def archived_events(run_dir: Path, batch: int = 500) -> Iterator[tuple[Event, int]]:
+def archived_events(run_dir: Path, batch: int = 500,
+                    undecodable: Counter[str] | None = None) -> Iterator[tuple[Event, int]]:
     """Every archived record as (event, offset), per topic and partition in offset order. A record archived twice
     (in two segments, or in the log a restored broker continued) comes twice, as a consumer would have read a
     retry: the fold counts the first. Rows that do not decode (an older schema no upcaster knows) are skipped, as
-    the live tracker's runner dead-letters them."""
+    the live tracker's runner dead-letters them, and counted by topic in `undecodable` when given."""
     files = segment_files(archive_root(run_dir))
     if not files:
         raise ConfigError(f"{run_dir} has no archive (no Parquet segments under {archive_root(run_dir)})")
@@ -44,6 +46,8 @@ def archived_events(run_dir: Path, batch: int = 500) -> Iterator[tuple[Event, in
                     # The archive keeps each event whole, claim-checked arrays included: no payload cap applies.
                     event = decode(topics[topic], data, max_bytes=max(len(data), DEFAULT_MAX_PAYLOAD_BYTES))
                 except EventDecodeError:
+                    if undecodable is not None:
+                        undecodable[topic] += 1
                     continue
                 yield event, offset
     finally:
@@ -58,14 +62,16 @@ def _run_started(run_dir: Path) -> RunStarted:
                       "started")
 
 
-def track_archive(run_dir: Path, backends: Sequence[str], out: Path, settings: TrackerSettings) -> Tracker:
+def track_archive(run_dir: Path, backends: Sequence[str], out: Path, settings: TrackerSettings,
+                  undecodable: Counter[str] | None = None) -> Tracker:
     """Write the entries of `run_dir`'s archive to `backends` under `out` (the run directory itself, or another);
-    entries the ledgers under `out` already list are not written again. Returns the closed tracker."""
+    entries the ledgers under `out` already list are not written again. Returns the closed tracker. Archived rows
+    that do not decode are counted by topic in `undecodable`."""
     started = _run_started(run_dir)
     opened = open_backends(backends, out, started.run_id, started.config, settings)
     tracker = Tracker(opened, out, started.run_id, settings.samples_per_step)
     try:
-        for event, offset in archived_events(run_dir):
+        for event, offset in archived_events(run_dir, undecodable=undecodable):
             tracker.add(event, offset)
     finally:
         tracker.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +29,14 @@ def track(
     settings = State.settings.tracker
     backends = tuple(backend) if backend else settings.backends
     target = out or run_dir
+    undecodable: Counter[str] = Counter()
     with console.status(f"reading the archive of {run_dir}"):
-        tracker = track_archive(run_dir, backends, target, settings)
+        tracker = track_archive(run_dir, backends, target, settings, undecodable)
+    if undecodable:
+        skipped = ", ".join(f"{count} on {topic}" for topic, count in sorted(undecodable.items()))
+        console.print(f"skipped {sum(undecodable.values())} archived rows that do not decode ({skipped}): an event "
+                      "kind or schema version this code does not know; `crl audit events` shows them",
+                      markup=False, highlight=False)
     console.print(f"wrote {tracker.written} entries to {', '.join(backends)} under {target}"
                   + (" (everything was there already)" if tracker.written == 0 else ""),
                   markup=False, highlight=False)

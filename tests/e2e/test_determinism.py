@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,13 @@ def _run(run_dir: Path, broker: str, settings: dict[str, str]) -> RunFingerprint
     return run_fingerprint(run_dir)
 
 
+Runs = Callable[..., RunFingerprint]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunFingerprint]:
-    """Every run of this module, made once, by name (`<broker>-<mode>-<workers>w-<seed>-<repeat>`)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """`runs(broker, deterministic, workers, seed=0, repeat=0)`: that run's fingerprint, each run made once (in
+    `<root>/<broker>-<mode>-<workers>w-s<seed>-<repeat>`)."""
     made: dict[str, RunFingerprint] = {}
     root = tmp_path_factory.mktemp("determinism")
 
@@ -59,7 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunFingerprint]:
             made[name] = _run(root / name, broker, settings)
         return made[name]
 
-    return get  # type: ignore[return-value]
+    get.root = root  # type: ignore[attr-defined]
+    return get
 
 
 def _compared(first: RunFingerprint, second: RunFingerprint) -> str:
@@ -93,11 +99,22 @@ def test_deterministic_runs_agree_across_brokers(runs):
 
 def test_another_sampling_seed_gives_another_run(runs):
     reference, other = runs("tansu", True, 1), runs("tansu", True, 1, seed=1)
+    runs("tansu", True, 1, repeat=1)  # made by the first test already, unless this one runs alone
     differing = set(reference.differences(other))
     # every step's episodes draw other tokens from the first turn on, so everything downstream differs too
     assert {name for name in reference.parts() if name.startswith(("trajectories/", "weights/actor/"))} <= differing
     assert "bank/0" not in differing, "step 0 is served the empty bank whatever the seed"
     assert {"bank/1", "bank/2", "bank/3"} <= differing
+    # the same comparison through the command line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    reference_dir, repeat_dir, other_dir = (str(runs.root / name) for name in (
+        "tansu-det-1w-s0-0", "tansu-det-1w-s0-1", "tansu-det-1w-s1-0"))
+    same = subprocess.run([*CRL, "audit", "fingerprint", reference_dir, repeat_dir], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert same.returncode == 0 and same.stdout.splitlines()[-1].endswith("parts agree, 0 differ"), same.stdout
+    apart = subprocess.run([*CRL, "audit", "fingerprint", reference_dir, other_dir], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert apart.returncode == 1 and "DIFFERS trajectories/0/train/free" in apart.stdout, apart.stdout
 
 
 def test_asynchronous_runs_agree_where_no_timing_reaches(runs):

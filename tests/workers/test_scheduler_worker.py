@@ -3,13 +3,15 @@ the run once every episode is in, and a restarted scheduler publishes only what 
 
 from __future__ import annotations
 
+import pytest
 from harness_setup import RUN, settings_for
+from pydantic import ValidationError
 
 from pipeline.actor.schedule import finished_id
 from pipeline.runtime.harness import build_worker, run_worker
 from schemas.base import Producer
 from schemas.examples import example_events
-from schemas.runs import RunFinished, RunResumed, RunStarted, StopRequested
+from schemas.runs import RunFinished, RunResumed, RunStarted, StepSettled, StopRequested
 from schemas.tasks import EpisodeAssigned
 from schemas.training import PolicyPublished
 from schemas.trajectories import TrajectoryCompleted
@@ -74,3 +76,42 @@ def test_a_resumed_run_ignores_the_stop_before_its_resume_and_closes_under_a_new
     [ended] = [e for e in again.outputs if isinstance(e, RunFinished)]
     assert (ended.status, ended.steps_completed, ended.event_id) == ("completed", 1, finished_id(RUN, 1))
     assert not any(isinstance(e, EpisodeAssigned) for e in again.outputs)  # step 0 was issued before the stop
+
+
+def _extractor(version: int) -> PolicyPublished:
+    return _actor(version).model_copy(update={"role": "extractor"})
+
+
+def test_deterministic_mode_issues_a_step_once_the_one_before_settled_and_serves_it_at_the_settled_offset(tmp_path):
+    settings = settings_for(tmp_path, scheduler={
+        "arm": "complementary", "steps": 2, "eval_every": 0, "merge_every": 1, "max_steps_ahead": 0,
+        "deterministic": True}, actor_trainer={"warmup_steps": 1})
+    worker, context = build_worker(Scheduler, settings)
+    first = run_worker(worker, [_actor(0), _extractor(0)], context=context)
+    step0 = [e for e in first.outputs if isinstance(e, EpisodeAssigned)]
+    assert {(a.step, a.bank_position) for a in step0} == {(0, None)}  # step 0: the empty bank
+
+    # Step 0's episodes are in: the merge due after it is requested, but step 1 waits for the extractor.
+    worker, context = build_worker(Scheduler, settings, log=first.outputs)
+    second = run_worker(worker, [_actor(0), _extractor(0), *_played(step0)], context=context)
+    assert [(e.kind, e.step) for e in second.outputs] == [("MergeRequested", 0)]
+
+    settled = StepSettled(run_id=RUN, producer=WHO, role="extractor", step=0, extractor_version=0, bank_offset=17)
+    trainer = settled.model_copy(update={"role": "extractor_trainer", "bank_offset": None})
+    worker, context = build_worker(Scheduler, settings, log=[*first.outputs, *second.outputs])
+    third = run_worker(worker, [_actor(0), _extractor(0), *_played(step0), trainer], context=context)
+    assert not any(isinstance(e, EpisodeAssigned) for e in third.outputs), "the trainer's settlement is not enough"
+    worker, context = build_worker(Scheduler, settings, log=[*first.outputs, *second.outputs])
+    fourth = run_worker(worker, [_actor(0), _extractor(0), *_played(step0), trainer, settled], context=context)
+    step1 = [e for e in fourth.outputs if isinstance(e, EpisodeAssigned)]
+    assert [(a.step, a.slot, a.guided, a.bank_position) for a in step1] == [(1, 0, True, 17), (1, 1, False, 17)]
+
+
+def test_deterministic_mode_refuses_settings_that_let_steps_overlap(tmp_path):
+    with pytest.raises(ValidationError) as failure:
+        settings_for(tmp_path, scheduler={"deterministic": True, "staleness": 1, "max_steps_ahead": 1},
+                     launch={"extractor_workers": 2})
+    message = str(failure.value)
+    for wrong in ("scheduler.staleness is 1, needs 0", "scheduler.max_steps_ahead is 1, needs 0",
+                  "launch.extractor_workers is 2, needs 1"):
+        assert wrong in message

@@ -179,6 +179,21 @@ def test_identical_queries_in_one_batch_see_each_others_serves() -> None:
     assert len(retriever.bank.searches) == 1 and retriever.bank.searches[0] == 1  # one row for the four
 
 
+def test_a_slot_is_served_as_if_its_groups_earlier_slots_had_just_been_served_whatever_came_before() -> None:
+    # Deterministic mode: slot j of a group gets what the j-th of identical queries in one fresh batch would get
+    # (A, B, A, A, as above), not what this process served before it.
+    retriever = abc_retriever()
+    slots = [retriever.retrieve_slot(Query("q", "room", 5), earlier) for earlier in range(4)]
+    assert [r.experiences[0].experience_id for r in slots] == ["A", "B", "A", "A"]
+    np.testing.assert_allclose([r.experiences[0].diversified_score for r in slots],
+                               [0.0, -1.0, -0.4 * math.log(2) - 1, -0.4 * math.log(3) - 1])
+    for _ in range(3):
+        serve_one(retriever, step=5)  # the process-wide counters move ...
+    again = retriever.retrieve_slot(Query("q", "room", 5), 1)
+    assert again.experiences[0].experience_id == "B" and again.bank_offset == slots[1].bank_offset  # ... not this
+    assert retriever.served("B").count == 1, "retrieve_slot leaves the counters of retrieve_many alone"
+
+
 def test_the_similarity_margin_keeps_clearly_worse_matches_out() -> None:
     # similarities to q: A 1/sqrt(1.01) = 0.99504, B 1/sqrt(1.25) = 0.89443, C 1/sqrt(3.25) = 0.55470
     within = abc_retriever(similarity_margin=0.05)  # only A is within 0.05 of the best: it guides every slot

@@ -147,6 +147,27 @@ def test_join_rebuilt_in_another_order_gives_the_same_ready_set():
     assert rebuilt.generations[str(events[0].event_id)].trainings == {1}
 
 
+def test_a_canonical_join_takes_the_oldest_by_step_and_generation_id_whatever_the_arrival_order():
+    generations = [extraction(g).model_copy(update={"step": step})
+                   for g, step in (("r-s2-b", 2), ("r-s1-z", 1), ("r-s2-a", 2), ("r-s1-y", 1))]
+    outcomes = [trajectory(3, "g", slot, success=slot % 2 == 0, guided=True, served=(g.generation_id,))
+                for slot, g in enumerate(generations)]
+    batches = []
+    for order in (generations, list(reversed(generations))):
+        join = ExtractorJoin(canonical=True)
+        for event in order:
+            join.add_extraction(event)
+        for outcome in outcomes:
+            join.add_trajectory(outcome)
+        batch = join.batch(step=1, size=3, alpha=0.5, delta=1)
+        assert batch is not None
+        batches.append(batch)
+    # the oldest three by (step, generation id): r-s1-y, r-s1-z, r-s2-a, in that order (not in event-id order)
+    expected = tuple(str(g.event_id) for g in sorted(generations, key=lambda g: (g.step, g.generation_id))[:3])
+    assert batches[0].event_ids == batches[1].event_ids == expected
+    assert batches[0].advantages == batches[1].advantages
+
+
 def test_an_episode_its_engine_failed_gets_no_advantage_and_stays_out_of_its_subgroup():
     """Free subgroup of g1: rewards 1, 0, 0 and a crashed 0. Without the crash: mean 1/3, sample std sqrt(1/3), so
     the advantages are (2/3) / 0.57735 = 1.1547 and (-1/3) / 0.57735 = -0.57735; the crashed one gets 0. The guided
