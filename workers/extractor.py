@@ -188,7 +188,11 @@ class Extractor(Worker):
         if self.arm == "grpo" or event.run_id != self.run_id:
             return []
         if isinstance(event, TrajectoryCompleted) and self.deterministic:
+            # every trajectory of the step holds its position until the step is settled, so a restart reads the
+            # whole step again (evaluation episodes too: the step waits for them)
             self.arrived.setdefault(event.step, set()).add(event.trajectory_id)
+            self.held.append((event, origin))
+            return []
         if (isinstance(event, TrajectoryCompleted) and self._distils(event)) or isinstance(event, MergeRequested):
             self.held.append((event, origin))
         return []
@@ -229,6 +233,8 @@ class Extractor(Worker):
 
     def _settle_steps(self, io: WorkerIO) -> None:
         """Deterministic mode: distil, merge and settle every step that is due, in order."""
+        # read again after a restart: settled before it
+        self.held = [(e, o) for e, o in self.held if e.step >= self.next_step]
         while self.next_step < self.steps:
             step = self.next_step
             expected = self._expected.setdefault(step, self.schedule.trajectory_ids(step))
@@ -241,7 +247,8 @@ class Extractor(Worker):
                 return  # the scheduler requests it once every episode of the step finished
             if not self._load_version(trainer.extractor_version):
                 return
-            by_id = {e.trajectory_id: e for e, _ in self.held if isinstance(e, TrajectoryCompleted) and e.step == step}
+            by_id = {e.trajectory_id: e for e, _ in self.held
+                     if isinstance(e, TrajectoryCompleted) and e.step == step and self._distils(e)}
             trajectories = [by_id[key] for key in sorted(by_id)]
             self._published = []
             size = self.settings.batch_size

@@ -13,9 +13,9 @@ the sampling log-probs recorded in the event. Checkpoint, then `PolicyPublished(
 
 Deterministic mode (`scheduler.deterministic`, docs/determinism.md): it trains at step boundaries only. Once every
 train episode of step s is in, and every generation the extractor published for step s - 1 (listed by its
-`StepSettled`) has been read, it trains every batch the join can form, the ready samples ordered by (step,
-generation id) instead of by arrival, and publishes `StepSettled` (role extractor_trainer) with its version: the
-version the extractor distils step s with.
+`StepSettled`) has been read, it trains every batch the join can form from the outcomes of steps up to s, the
+ready samples ordered by (step, generation id) instead of by arrival, and publishes `StepSettled` (role
+extractor_trainer) with its version: the version the extractor distils step s with.
 
 Restart: the join state is rebuilt from the log. The worker keeps no positions: it re-reads `crl.extractions`,
 `crl.trajectories` and its own `TrainStepCompleted`s from offset 0 up to the high watermarks it saw at start, without
@@ -188,7 +188,7 @@ class ExtractorTrainer(Worker):
                     return
             while self.arm not in FROZEN_EXTRACTOR_ARMS and (batch := self.join.batch(
                     self.trainer.current.version + 1, self.settings.buffer_size, self.settings.count_alpha,
-                    self.settings.count_delta)) is not None:
+                    self.settings.count_delta, through=step)) is not None:
                 self.train(batch, io)
             io.publish(StepSettled(
                 event_id=scheduled_id(self.trainer.run_id, "settled", "extractor_trainer", step),

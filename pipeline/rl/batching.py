@@ -154,6 +154,7 @@ class ExtractorJoin:
         self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
         self.by_generation_id: dict[str, str] = {}
         self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
+        self.trajectory_steps: dict[str, int] = {}  # trajectory id -> scheduler step, of those credited
         self.trained: dict[str, list[tuple[int, int]]] = {}  # event id -> [(step, outcomes)] seen before the event
         self._arrivals = 0
 
@@ -174,6 +175,7 @@ class ExtractorJoin:
         if not trajectory.guided or trajectory.split != "train" or trajectory.env_error is not None:
             return  # evaluation episodes measure; they do not train; an engine failure says nothing of the lesson
         outcome = 1.0 if trajectory.success else -1.0
+        self.trajectory_steps[trajectory.trajectory_id] = trajectory.step
         for generation_id in {ref.generation_id for ref in trajectory.retrieved}:
             self.outcomes.setdefault(generation_id, {})[trajectory.trajectory_id] = outcome
 
@@ -194,21 +196,30 @@ class ExtractorJoin:
             generation.trainings.add(step)
             generation.outcomes_trained = max(generation.outcomes_trained, outcomes)
 
-    def ready(self) -> list[str]:
-        """Samples with outcomes they were not trained on yet, oldest first."""
+    def _outcomes(self, generation_id: str, through: int | None) -> dict[str, float]:
+        outcomes = self.outcomes.get(generation_id, {})
+        if through is None:
+            return outcomes
+        return {t: o for t, o in outcomes.items() if self.trajectory_steps[t] <= through}
+
+    def ready(self, through: int | None = None) -> list[str]:
+        """Samples with outcomes they were not trained on yet, oldest first; `through`: counting only the outcomes
+        of episodes of that scheduler step and earlier (deterministic mode)."""
         ready = [(g.arrival, key) for key, g in self.generations.items()
-                 if len(self.outcomes.get(g.event.generation_id, {})) > g.outcomes_trained]
+                 if len(self._outcomes(g.event.generation_id, through)) > g.outcomes_trained]
         return [key for _, key in sorted(ready)]
 
-    def batch(self, step: int, size: int, alpha: float, delta: int) -> ExtractorBatch | None:
-        """The next batch for extractor step `step`, or None while fewer than `size` samples are ready."""
-        ready = self.ready()
+    def batch(self, step: int, size: int, alpha: float, delta: int,
+              through: int | None = None) -> ExtractorBatch | None:
+        """The next batch for extractor step `step`, or None while fewer than `size` samples are ready (`through`: as
+        in `ready`)."""
+        ready = self.ready(through)
         if len(ready) < size:
             return None
         # the oldest `size`, in event-id order (canonical: (step, generation id) order; event ids carry the run id)
         chosen = ready[:size] if self.canonical else sorted(ready[:size])
         generations = [self.generations[key] for key in chosen]
-        outcome_sets = [self.outcomes[g.event.generation_id] for g in generations]
+        outcome_sets = [self._outcomes(g.event.generation_id, through) for g in generations]
         rewards = torch.tensor([statistics.fmean(o.values()) for o in outcome_sets])
         weights = training_count_weights(
             torch.tensor([len(g.trainings) for g in generations]),

@@ -14,9 +14,9 @@ from pipeline.rl.synthetic import synthetic_trajectories
 from pipeline.runtime.harness import build_worker, run_worker
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
-from schemas.experiences import ExperienceAdded
+from schemas.experiences import ExperienceAdded, ExperienceRefined, ExperienceRetired
 from schemas.extractions import ExtractionGenerated
-from schemas.runs import MergeRequested
+from schemas.runs import MergeRequested, StepSettled
 from schemas.trajectories import ExperienceRef
 from workers.extractor import Extractor
 
@@ -64,3 +64,37 @@ def test_the_extractor_distils_train_trajectories_and_merges_what_the_bank_holds
     positions = {position[0] for position in result.committed}
     assert positions == {"crl.trajectories", "crl.control"}
     assert result.committed[("crl.trajectories", 0)] == 4 and result.committed[("crl.control", 0)] == 1
+
+
+def test_in_deterministic_mode_the_extractor_distils_a_whole_step_in_trajectory_order_once_its_trainer_settled(
+        tmp_path):
+    settings = settings_for(tmp_path, scheduler={"deterministic": True, "max_steps_ahead": 0, "steps": 2,
+                                                 "eval_every": 0, "merge_every": 0})
+    actor = build_tiny(TINY)
+    played = synthetic_trajectories(actor, run_id=RUN, step=0, groups=1, group_size=2, seed=3)
+    # the schedule's identities: step 0 is one group of two slots
+    step0 = [t.model_copy(update={"trajectory_id": f"s000000-g000-k{slot}", "group_id": "s000000-g000",
+                                  "slot": slot}) for slot, t in enumerate(played)]
+    who = Producer(worker="extractor_trainer", instance="t-0")
+    settled = StepSettled(run_id=RUN, producer=who, role="extractor_trainer", step=0, extractor_version=0)
+    policy = publish_policy(tmp_path, "extractor")
+
+    worker, context = build_worker(Extractor, settings, log=[policy])
+    waiting = run_worker(worker, list(reversed(step0)), context=context)
+    assert waiting.outputs == [], "nothing is distilled before the extractor trainer settled the step"
+    assert waiting.committed.get(("crl.trajectories", 0), 0) == 0, "the step's positions are held"
+
+    worker, context = build_worker(Extractor, settings, log=[policy, settled])
+    half = run_worker(worker, step0[1:], context=context)
+    assert half.outputs == [], "nor before every episode of the step is in"
+
+    worker, context = build_worker(Extractor, settings, log=[policy, settled])
+    result = run_worker(worker, list(reversed(step0)), context=context)
+    generations = [e for e in result.outputs if isinstance(e, ExtractionGenerated)]
+    assert [g.source_trajectory_ids for g in generations] == [("s000000-g000-k0",), ("s000000-g000-k1",)]
+    (done,) = [e for e in result.outputs if isinstance(e, StepSettled)]
+    assert (done.role, done.step, done.extractor_version) == ("extractor", 0, 0)
+    assert done.extraction_event_ids == tuple(str(g.event_id) for g in generations)
+    ops = sum(isinstance(e, ExperienceAdded | ExperienceRefined | ExperienceRetired) for e in result.outputs)
+    assert done.bank_offset == ops, "the op log ends after the step's ops (it began empty)"
+    assert result.outputs[-1] is done and result.committed[("crl.trajectories", 0)] == 2

@@ -9,6 +9,8 @@ from harness_setup import RUN, TINY, settings_for
 from pipeline.models import build_tiny
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
 from pipeline.runtime.harness import build_worker, run_worker
+from schemas.base import Producer
+from schemas.runs import StepSettled
 from schemas.training import PolicyPublished, TrainStepCompleted
 from workers.actor_trainer import ActorTrainer
 from workers.extractor_trainer import ExtractorTrainer
@@ -70,3 +72,40 @@ def test_trainers_never_take_another_runs_events_into_a_batch(tmp_path):
     result = run_worker(worker, [*foreign, *foreign_guided, *generations, *guided], context=context)
     steps = [e for e in result.outputs if isinstance(e, TrainStepCompleted)]
     assert [sorted(s.batch_event_ids) for s in steps] == [sorted(str(g.event_id) for g in generations)]
+
+
+def test_in_deterministic_mode_the_extractor_trainer_trains_at_step_boundaries_and_names_its_version(tmp_path):
+    settings = settings_for(tmp_path, scheduler={"deterministic": True, "max_steps_ahead": 0, "steps": 2,
+                                                 "eval_every": 0, "merge_every": 0},
+                            actor_trainer={"group_size": 4})
+    generations = [g.model_copy(update={"step": 0}) for g in synthetic_extractions(
+        build_tiny(TINY.model_copy(update={"seed": 1})), run_id=RUN, count=2, seed=2)]
+
+    def step(s: int, served: list[str]) -> list:
+        played = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=s, groups=1, group_size=4, seed=3 + s,
+                                        served_generations=served)
+        return [t.model_copy(update={"trajectory_id": f"s{s:06d}-g000-k{t.slot}", "group_id": f"s{s:06d}-g000"})
+                for t in played]
+
+    step0, step1 = step(0, []), step(1, [g.generation_id for g in generations])
+    extractor = StepSettled(run_id=RUN, producer=Producer(worker="extractor", instance="x-0"), role="extractor",
+                            step=0, extractor_version=0, bank_offset=2,
+                            extraction_event_ids=tuple(str(g.event_id) for g in generations))
+
+    def settled(result) -> list[tuple[int, int]]:
+        return [(e.step, e.extractor_version) for e in result.outputs if isinstance(e, StepSettled)]
+
+    worker, context = build_worker(ExtractorTrainer, settings)
+    early = run_worker(worker, [*step0, *generations, *step1], context=context)
+    # step 0 has no outcomes to train on: version 0 distils it; step 1 waits for the extractor's settlement of step 0
+    assert settled(early) == [(0, 0)]
+    assert not any(isinstance(e, TrainStepCompleted) for e in early.outputs)
+
+    worker, context = build_worker(ExtractorTrainer, settings)
+    result = run_worker(worker, [*step0, *generations, *step1, extractor], context=context)
+    steps = [e for e in result.outputs if isinstance(e, TrainStepCompleted)]
+    assert settled(result) == [(0, 0), (1, 1)]
+    # the batch in (step, generation id) order, not in event-id order
+    assert [len(s.batch_event_ids) for s in steps] == [2]
+    by_id = {str(g.event_id): g.generation_id for g in generations}
+    assert [by_id[i] for i in steps[0].batch_event_ids] == sorted(g.generation_id for g in generations)
