@@ -51,27 +51,7 @@ def bootstrap(by_seed: Mapping[Any, Sequence[T]], statistic: Callable[[list[T]],
     groups = [list(units) for units in by_seed.values() if units]
     if not groups:
         raise InvalidArgumentError("bootstrap needs at least one unit")
-    if not 0 < level < 1:
-        raise InvalidArgumentError(f"level must lie in (0, 1), got {level}")
-    value = float(statistic([unit for units in groups for unit in units]))
-    rng = np.random.default_rng(seed)
-    draws = []
-    for _ in range(resamples):
-        sample: list[T] = []
-        for g in rng.integers(0, len(groups), size=len(groups)):
-            units = groups[int(g)]
-            sample += [units[int(i)] for i in rng.integers(0, len(units), size=len(units))]
-        try:
-            result = float(statistic(sample))
-        except ZeroDivisionError:  # e.g. a ratio whose denominator this resample drew only zeros of
-            continue
-        if np.isfinite(result):
-            draws.append(result)
-    if not draws:
-        return Estimate(value, float("nan"), float("nan"), level)
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(draws, [tail, 100 - tail])
-    return Estimate(value, float(low), float(high), level)
+    return _percentile_interval([groups], lambda samples: statistic(samples[0]), resamples, level, seed)
 
 
 def bootstrap_independent(a: Mapping[Any, Sequence[T]], b: Mapping[Any, Sequence[T]],
@@ -83,24 +63,30 @@ def bootstrap_independent(a: Mapping[Any, Sequence[T]], b: Mapping[Any, Sequence
     groups_b = [list(units) for units in b.values() if units]
     if not groups_a or not groups_b:
         raise InvalidArgumentError("bootstrap_independent needs at least one unit on each side")
+    return _percentile_interval([groups_a, groups_b], lambda samples: statistic(samples[0], samples[1]), resamples,
+                                level, seed)
+
+
+def _percentile_interval(sides: list[list[list[T]]], statistic: Callable[[list[list[T]]], float], resamples: int,
+                         level: float, seed: int) -> Estimate:
+    """The statistic of every side's units, and its percentile interval over resamples that draw each side on two
+    levels, side after side from one seeded generator."""
     if not 0 < level < 1:
         raise InvalidArgumentError(f"level must lie in (0, 1), got {level}")
-    value = float(statistic([u for units in groups_a for u in units], [u for units in groups_b for u in units]))
+    value = float(statistic([[unit for units in groups for unit in units] for groups in sides]))
     rng = np.random.default_rng(seed)
-
-    def draw(groups: list[list[T]]) -> list[T]:
-        sample: list[T] = []
-        for g in rng.integers(0, len(groups), size=len(groups)):
-            units = groups[int(g)]
-            sample += [units[int(i)] for i in rng.integers(0, len(units), size=len(units))]
-        return sample
-
     draws = []
     for _ in range(resamples):
-        sample_a, sample_b = draw(groups_a), draw(groups_b)
+        samples: list[list[T]] = []
+        for groups in sides:
+            sample: list[T] = []
+            for g in rng.integers(0, len(groups), size=len(groups)):
+                units = groups[int(g)]
+                sample += [units[int(i)] for i in rng.integers(0, len(units), size=len(units))]
+            samples.append(sample)
         try:
-            result = float(statistic(sample_a, sample_b))
-        except ZeroDivisionError:
+            result = float(statistic(samples))
+        except ZeroDivisionError:  # e.g. a ratio whose denominator this resample drew only zeros of
             continue
         if np.isfinite(result):
             draws.append(result)
