@@ -11,16 +11,15 @@ cache: a cached one loads in a second). The actor plays `--tasks` tasks of the c
 else `envs.seed`) with the rollout worker's own player, once per kind of experience in its prompt, and prints
 `actor_success_<kind>=`: `none`; on the dark corridors also `right` (a lesson stating the corridor's side, as a
 success writes it), `wall` (as a failure that walked the other side to its end writes it), `wrong` (the other side)
-and `silent` (a lesson that states nothing). The extractor distils `--held-out` data episodes of the config's tasks,
-drawn with another seed than its warm start's (half shown the lesson of another play of the same task, as in
-training), and prints `extractor_parse_ok=` and `extractor_states_revealed=` (of the parsed lessons of episodes that
-revealed something, the share that state it word for word) for each number of steps.
+and `silent` (a lesson that states nothing). The extractor distils `--held-out` data episodes of unseen tasks
+of the config's (the eval split, as its gate does: `pipeline.rl.warm_gate`; half shown the lesson of another play
+of the same task, as in training), and prints `extractor_parse_ok=` and `extractor_states_revealed=` (of the parsed
+lessons of episodes that revealed something, the share that state it word for word) for each number of steps.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -28,15 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.actor.episodes import EpisodePlayer
-from pipeline.bank.retrieval import Query, Retrieval, RetrievedExperience
 from pipeline.envs.dark_corridor import corridor_of
 from pipeline.envs.registry import env_spec, task_pool
-from pipeline.models.base import SamplingParams
 from pipeline.rl.training import initial_policy
+from pipeline.rl.warm_gate import Task, play_with_lessons
 from pipeline.settings import Settings
-from schemas.base import Producer
-from schemas.tasks import EpisodeAssigned
 
 CORRIDOR = "MiniHack-DarkCorridor-v0"
 
@@ -55,99 +50,34 @@ def lesson(kind: str, seed: int) -> str | None:
                       "goal."}[kind]
 
 
-class FixedLessons:
-    """A retriever that serves each task the lesson written for it (the player's `retrieve_many` interface)."""
-
-    def __init__(self, lessons: dict[str, str]) -> None:
-        self.lessons = lessons
-        """Query text -> lesson."""
-
-    def retrieve_many(self, queries: Sequence[Query]) -> list[Retrieval]:
-        found = []
-        for query in queries:
-            text = self.lessons[query.text]
-            found.append(Retrieval((RetrievedExperience("hand-written", 1, "none", text, 1.0),), 0))
-        return found
-
-
 def actor_success(settings: Settings, policy, seeds: Sequence[int], kind: str) -> float:  # type: ignore[no-untyped-def]
     """Success of the warm-started actor on `seeds`, every episode guided by the `kind` lesson (or free)."""
-    from pipeline.bank.retrieval import query_text
-    from pipeline.envs.registry import make_env
-
     task = settings.envs.tasks[0]
     max_turns = task.max_turns or env_spec(task.env_id).max_turns
-    guided = kind != "none"
-    lessons = {}
-    if guided:
-        env = make_env(task.env_id, settings.envs, max_turns=max_turns, split="eval")
-        for seed in seeds:
-            lessons[query_text(*env.reset(seed))] = lesson(kind, seed) or ""
-        env.close()
-    player = EpisodePlayer(settings.rollout, settings.envs, run_id="warm-starts",
-                           producer=Producer(worker="benchmark", instance="warm-starts-0"),
-                           retriever=FixedLessons(lessons) if guided else None,  # type: ignore[arg-type]
-                           seed=settings.rollout.generation.seed)
-    player.policy, player.version = policy, 0
-    assignments = [(EpisodeAssigned(
-        run_id="warm-starts", producer=Producer(worker="benchmark", instance="warm-starts-0"), step=0,
-        split="eval", env_id=task.env_id, task_family=env_spec(task.env_id).task_family, seed=seed,
-        group_id=f"t{index}", slot=0, group_size=1, guided=guided, policy_version=0, max_turns=max_turns),
-        ("benchmark", 0), index) for index, seed in enumerate(seeds)]
-    successes = 0
-    batch = settings.rollout.max_concurrent_episodes
-    for start in range(0, len(assignments), batch):
-        player.start(assignments[start:start + batch])
-        while player.active:
-            successes += sum(t.success for t in player.play_turn())
-    player.close()
-    return successes / len(seeds)
+    tasks = [Task(task.env_id, seed, max_turns, lesson(kind, seed)) for seed in seeds]
+    outcomes = play_with_lessons(policy, tasks, settings.rollout, settings.envs)
+    return sum(outcomes) / len(outcomes)
 
 
 def extractor_scores(settings: Settings, steps: int, held_out: int) -> tuple[float, float, float]:
-    """(parse ok, states revealed, seconds) of the extractor warm-started for `steps` steps."""
-    from pipeline.errors import ParseError
-    from pipeline.extractor.protocol import ANSWER_STOP, EXTRACTOR_SYSTEM, distill_prompt, parse_distill
+    """(parse ok, states revealed, seconds) of the extractor warm-started for `steps` steps, on `held_out` data
+    episodes of unseen tasks (the gate's, `pipeline.rl.warm_gate`)."""
     from pipeline.rl.update import deterministic_torch
-    from pipeline.rl.warm_start import lesson as rule_lesson
-    from pipeline.rl.warm_start import play_data_episodes, warm_start_extractor
+    from pipeline.rl.warm_gate import distil_held_out, held_out_episodes
+    from pipeline.rl.warm_start import warm_start_extractor
 
     trainer = settings.extractor_trainer
     warm = trainer.warm_start.model_copy(update={"steps": steps})
     deterministic_torch(trainer.threads)  # as the trainer runs it, so the cache entry is the run's
     started = time.perf_counter()
     policy, _stats = warm_start_extractor(initial_policy(trainer.model), warm, settings.envs.tasks, settings.envs,
-                                          settings.extractor)
+                                          settings.extractor, merges=settings.scheduler.merge_every > 0)
     seconds = time.perf_counter() - started
-    episodes = play_data_episodes(settings.envs.tasks, settings.envs, held_out, warm.expert_fraction,
-                                  warm.seed + 1_000, warm.plays_per_task)
-    rng = random.Random(0)
-    plays: dict[str, list[int]] = {}
-    for index, episode in enumerate(episodes):
-        plays.setdefault(episode.digest.goal, []).append(index)
-    prompts, shown_all = [], []
-    x = settings.extractor
-    for index, episode in enumerate(episodes):
-        others = [i for i in plays[episode.digest.goal] if i != index]
-        shown = [rule_lesson(episodes[rng.choice(others)].digest, x.max_experience_chars)] \
-            if others and rng.random() < 0.5 else []
-        shown_all.append(shown)
-        prompts.append(policy.prompt_ids(distill_prompt(episode.digest, shown, max_ops=x.max_ops,
-                                                        max_actions=x.max_actions_shown), EXTRACTOR_SYSTEM))
-    generations = policy.generate(prompts, SamplingParams(
-        max_new_tokens=x.generation.max_new_tokens, temperature=x.generation.temperature, stop=(ANSWER_STOP,)),
-        seeds=range(len(prompts)))
-    parsed = revealing = stated = 0
-    for episode, shown, generation in zip(episodes, shown_all, generations, strict=True):
-        try:
-            ops = parse_distill(generation.text, len(shown), max_ops=x.max_ops, max_chars=x.max_experience_chars)
-        except ParseError:
-            continue
-        parsed += 1
-        if episode.digest.revealed and ops:
-            revealing += 1
-            stated += any("; ".join(episode.digest.revealed) in op.text for op in ops)
-    return parsed / len(episodes), stated / revealing if revealing else float("nan"), seconds
+    distilled = distil_held_out(policy, held_out_episodes(settings.envs.tasks, settings.envs, warm, held_out),
+                                settings.extractor)
+    stating = [d.states_fact for d in distilled if d.states_fact is not None]
+    parse_ok = sum(d.parsed for d in distilled) / len(distilled)
+    return parse_ok, sum(stating) / len(stating) if stating else float("nan"), seconds
 
 
 def main() -> None:
@@ -173,7 +103,7 @@ def main() -> None:
     deterministic_torch(trainer.threads)
     started = time.perf_counter()
     actor, _stats = warm_start_actor(initial_policy(trainer.model), trainer.warm_start, settings.envs.tasks,
-                                     settings.envs, settings.rollout.history_turns)
+                                     settings.envs, settings.rollout)
     print(f"actor_warm_start_s={time.perf_counter() - started:.1f}")
     eval_seed = settings.envs.seed if settings.envs.eval_seed is None else settings.envs.eval_seed
     seeds = task_pool(task.env_id, "eval", args.tasks, eval_seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.base import Event, Id, NonNegativeInt, Role, Sha256Hex
 
@@ -64,6 +64,20 @@ WarmStartPhase = Literal["data", "train", "done"]
 """Where a warm start is: playing its data episodes, taking its fine-tuning steps, or finished."""
 
 
+class WarmStartGateCheck(BaseModel):
+    """One bound of a warm start's gate (`warm_start.gate`) and what the warm-started policy measured against it on
+    held-out data (`pipeline.rl.warm_gate`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: Id = Field(description="The bound: min_parse_ok, min_states_revealed, min_success_right or "
+                     "max_success_wrong.")
+    value: float = Field(ge=0, le=1, description="The share measured.")
+    bound: float = Field(ge=0, le=1, description="The bound it was held against (at least, or at most).")
+    samples: NonNegativeInt = Field(description="Episodes or lessons the share is taken over.")
+    passed: bool
+
+
 class WarmStartProgressed(Event):
     """How far a trainer's warm start has come (`pipeline.rl.warm_start`), published while it builds version 0 so
     the live view can show it: the first and the last of each phase and at most about one a second between them.
@@ -82,6 +96,9 @@ class WarmStartProgressed(Event):
     cached: bool = Field(
         default=False, description="The result was loaded from the warm-start cache (then only `done` is published).")
     elapsed_s: float = Field(ge=0, description="Seconds since the warm start began.")
+    gate: tuple[WarmStartGateCheck, ...] | None = Field(
+        default=None, description="Phase done: the warm start's gate, checked on held-out data (None: the config "
+        "sets no gate).")
 
     @model_validator(mode="after")
     def _done_within_total(self) -> WarmStartProgressed:

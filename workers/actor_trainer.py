@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from pipeline.actor.metrics import episode_metrics
+from pipeline.actor.settings import FROZEN_ACTOR_ARMS
 from pipeline.rl.batching import ClosedStep, StepCollector
 from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
@@ -122,7 +123,7 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
     from pipeline.rl.warm_start import warm_start_actor
 
     return lambda policy, progress: warm_start_actor(policy, warm, settings.envs.tasks, settings.envs,
-                                                     settings.rollout.history_turns, progress)
+                                                     settings.rollout, progress)
 
 
 class ActorTrainer(Worker):
@@ -134,7 +135,8 @@ class ActorTrainer(Worker):
     def __init__(self, context: WorkerContext) -> None:
         self.settings = context.settings.actor_trainer
         self.log = context.log
-        self.frozen = context.settings.scheduler.arm == "exp_only"
+        self.arm = context.settings.scheduler.arm
+        self.frozen = self.arm in FROZEN_ACTOR_ARMS
         self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
                                      context.settings.resolved_run_id,
                                      Producer(worker=self.name, instance=context.instance),
@@ -189,8 +191,8 @@ class ActorTrainer(Worker):
 
     def train(self, closed: ClosedStep, io: WorkerIO) -> None:
         if self.frozen:
-            log.info("arm exp_only: the actor stays at version 0; step %d (%d episodes) is not trained", closed.step,
-                     len(closed.trajectories))
+            log.info("arm %s: the actor stays at version 0; step %d (%d episodes) is not trained", self.arm,
+                     closed.step, len(closed.trajectories))
             return
         if not closed.trajectories:
             log.warning("step %d timed out with no complete group; %d episodes dropped, no update", closed.step,

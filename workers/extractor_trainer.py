@@ -30,7 +30,7 @@ import statistics
 import time
 
 from pipeline.actor.schedule import scheduled_id
-from pipeline.actor.settings import ARMS_WITH_A_BANK
+from pipeline.actor.settings import ARMS_WITH_A_BANK, FROZEN_EXTRACTOR_ARMS
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
 from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.settings import TrainerSettings
@@ -58,10 +58,6 @@ from schemas.trajectories import TrajectoryCompleted
 log = logging.getLogger(__name__)
 
 
-FROZEN_EXTRACTOR_ARMS = ("static_extractor", "grpo")
-"""Arms whose extractor never trains: its version 0 is published (the extractor workers need one) and kept."""
-
-
 def extractor_warm_start(settings: Settings) -> WarmStart | None:
     """Fine-tuning of a freshly built extractor on the rule-based summariser's answers
     (`extractor_trainer.warm_start`)."""
@@ -71,7 +67,8 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
     from pipeline.rl.warm_start import warm_start_extractor
 
     return lambda policy, progress: warm_start_extractor(policy, warm, settings.envs.tasks, settings.envs,
-                                                         settings.extractor, progress)
+                                                         settings.extractor, progress,
+                                                         merges=settings.scheduler.merge_every > 0)
 
 
 class ExtractorTrainer(Worker):

@@ -12,7 +12,9 @@ In order:
    - every train episode of step `s - 1 - max_steps_ahead` has finished (bounds the queue), and
    - (step 0, every arm with a bank) the extractor has published its version 0, so the warm-up fills the bank.
    Every `merge_every` steps it publishes `MergeRequested` first; every `eval_every` steps (and after the last) it
-   adds evaluation groups on the fixed eval pool: one guided and one free slot per task (`grpo`: one free).
+   adds evaluation groups on the fixed eval pool: one guided and one free slot per task (`grpo`: one free). Step 0's
+   evaluation, the baseline, is issued first and played before its train groups are issued, so it is played by
+   actor version 0 with an empty bank in every mode.
    Deterministic mode (`scheduler.deterministic`, docs/determinism.md) adds a barrier: step s is issued only once
    every episode of step s - 1 (evaluation included) finished, the merge due after s - 1 was requested, and the
    extractor published `StepSettled` for s - 1; its slots carry that event's `bank_offset` as `bank_position`, the
@@ -151,6 +153,8 @@ class Scheduler(Worker):
             if not all(e.event_id in self.on_log for e in planned):  # else issued before a restart
                 if not self._ready(step) or (self.deterministic and not self._settled(io, step, planned)):
                     return self._waiting(f"step {step}")
+                if step == 0 and not self._baseline_finished(io, planned):
+                    return self._waiting("the step-0 evaluation (actor version 0, an empty bank)")
                 self._publish_missing(io, self._planned(step))  # deterministic: now with its bank position
                 train = [e for e in planned if isinstance(e, EpisodeAssigned) and e.split == "train"]
                 log.info("step %d issued: %d train episodes (%d guided), %d eval episodes, actor version >= %d%s",
@@ -177,6 +181,15 @@ class Scheduler(Worker):
             task_families=tuple(sorted({env_spec(t.env_id).task_family for t in self.settings.envs.tasks})),
         )] if self.schedule.merge_due(step) else []
         return [*merge, *train, *evaluation]
+
+    def _baseline_finished(self, io: WorkerIO, planned: list[Event]) -> bool:
+        """Step 0's evaluation is the baseline every later one is compared with, so it is played before anything
+        else: its episodes are issued first and step 0's train groups only once they all finished. Then no actor
+        version but 0 exists yet (the first is trained on step `warmup`), and nothing has been distilled (evaluation
+        episodes never are), so it measures the warm-started actor with an empty bank, in every mode."""
+        evaluation: list[Event] = [e for e in planned if isinstance(e, EpisodeAssigned) and e.split == "eval"]
+        self._publish_missing(io, evaluation)
+        return self._done({e.event_id for e in evaluation})
 
     def _bank_position(self, step: int) -> int | None:
         """Deterministic mode: the op-log offset step `step` is served at, the end of the log once the extractor

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from pipeline.actor.settings import SchedulerSettings
+from pipeline.actor.settings import FROZEN_ACTOR_ARMS, SchedulerSettings
 from pipeline.envs.registry import draw_tasks, env_spec, task_pool
 from pipeline.envs.settings import EnvSettings
 from schemas.base import Producer
@@ -53,7 +53,7 @@ class Schedule:
 
     def required_version(self, step: int) -> int:
         """Oldest actor version allowed to play `step`: every trainable step before it, less the staleness bound."""
-        if self.scheduler.arm == "exp_only":
+        if self.scheduler.arm in FROZEN_ACTOR_ARMS:
             return 0  # the actor is frozen: version 0 plays every step
         return max(0, step - self.warmup_steps - self.scheduler.staleness)
 

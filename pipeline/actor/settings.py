@@ -9,11 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.models.settings import GenerationSettings
 
-Arm = Literal["complementary", "grpo", "static_extractor", "exp_only"]
+Arm = Literal["complementary", "grpo", "static_extractor", "exp_only", "frozen"]
 """Which method a run trains (the paper's baselines, docs/running.md): `complementary` trains both models with
 guided/free groups; `grpo` trains the actor alone, every slot free, no bank; `static_extractor` freezes the extractor;
-`exp_only` freezes the actor and trains only the extractor."""
-ARMS_WITH_A_BANK: frozenset[str] = frozenset({"complementary", "static_extractor", "exp_only"})
+`exp_only` freezes the actor and trains only the extractor; `frozen` trains neither (the bank fills from the frozen
+extractor: the control of `exp_only`)."""
+ARMS_WITH_A_BANK: frozenset[str] = frozenset({"complementary", "static_extractor", "exp_only", "frozen"})
+FROZEN_ACTOR_ARMS: frozenset[str] = frozenset({"exp_only", "frozen"})
+"""Arms whose actor stays at version 0: it plays every step and is never trained."""
+FROZEN_EXTRACTOR_ARMS: frozenset[str] = frozenset({"static_extractor", "grpo", "frozen"})
+"""Arms whose extractor stays at version 0 (the extractor workers of an arm with a bank need one)."""
 """Every arm but `grpo` keeps an experience bank (and needs the workers that make and keep it)."""
 
 
@@ -25,7 +30,8 @@ class SchedulerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    arm: Arm = Field(default="complementary", description="complementary | grpo | static_extractor | exp_only.")
+    arm: Arm = Field(default="complementary",
+                     description="complementary | grpo | static_extractor | exp_only | frozen.")
     variant: str | None = Field(
         default=None,
         description="A name for this run's variant of its arm (a control, an ablation: `grpo-frozen`); `crl report` "

@@ -29,6 +29,7 @@ from typing import Literal
 from pipeline.audit.stats import Estimate, bootstrap, bootstrap_independent, success_rate
 from pipeline.audit.views import Audit
 from pipeline.errors import InvalidArgumentError
+from schemas.training import WarmStartGateCheck
 
 Pool = Literal["t", "r"]
 POOL_NAMES: dict[str, str] = {"t": "unseen", "r": "recurring"}
@@ -47,6 +48,8 @@ class TrainGroup:
     free: tuple[bool, ...]
     actions: int
     """Environment steps (actions) the group's episodes took."""
+    free_slots: tuple[int, ...] = ()
+    """The slot of each free outcome (`free`), so free slots of two arms pair slot by slot."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,8 @@ RUN_CONFIG_SQL = "SELECT run_id, config FROM run_started ORDER BY occurred_at LI
 EVAL_OUTCOMES_SQL = ("SELECT step, env_id, group_id, seed, guided, success FROM trajectories WHERE split = 'eval' "
                      "ORDER BY step, group_id, slot")
 """Every eval episode's outcome; the pool is the group id's last part (`t<i>` unseen, `r<i>` recurring)."""
-TRAIN_OUTCOMES_SQL = ("SELECT step, group_id, guided, success, num_actions FROM trajectories WHERE split = 'train' "
-                      "ORDER BY step, group_id, slot")
+TRAIN_OUTCOMES_SQL = ("SELECT step, group_id, guided, success, num_actions, slot FROM trajectories "
+                      "WHERE split = 'train' ORDER BY step, group_id, slot")
 """Every train episode's outcome and actions, grouped by (step, group id) into `TrainGroup`s."""
 
 
@@ -96,19 +99,94 @@ def load_outcomes(run_dir: Path) -> RunOutcomes:
             pool = group_id.rsplit("-", 1)[1][0]  # eval-s<step>-<env>-t<i> | -r<i>
             key = (int(step), str(env_id), pool, int(seed))
             evals.setdefault(key, {True: [], False: []})[bool(guided)].append(bool(success))
-        groups: dict[tuple[int, str], tuple[list[bool], list[bool], list[int]]] = {}
-        for step, group_id, guided, success, actions in audit.query(TRAIN_OUTCOMES_SQL)[1]:
-            entry = groups.setdefault((int(step), str(group_id)), ([], [], []))
+        groups: dict[tuple[int, str], tuple[list[bool], list[bool], list[int], list[int]]] = {}
+        for step, group_id, guided, success, actions, slot in audit.query(TRAIN_OUTCOMES_SQL)[1]:
+            entry = groups.setdefault((int(step), str(group_id)), ([], [], [], []))
             entry[0 if guided else 1].append(bool(success))
             entry[2].append(int(actions))
+            if not guided:
+                entry[3].append(int(slot))
     run_id, config = started[0] if started else (run_dir.name, "{}")
     settings = json.loads(config) if isinstance(config, str) else (config or {})
-    train = tuple(TrainGroup(step, group, tuple(g), tuple(f), sum(a))
-                  for (step, group), (g, f, a) in sorted(groups.items()))
+    train = tuple(TrainGroup(step, group, tuple(g), tuple(f), sum(a), tuple(slots))
+                  for (step, group), (g, f, a, slots) in sorted(groups.items()))
     scheduler = settings.get("scheduler", {})
     return RunOutcomes(run_dir=run_dir, run_id=str(run_id),
                        arm=str(scheduler.get("variant") or scheduler.get("arm", "unknown")),
                        warmup=int(settings.get("actor_trainer", {}).get("warmup_steps", 0)), evals=evals, train=train)
+
+
+# -- what stands behind the figures: the warm starts' gates, the versions and banks behind each evaluation -------------
+
+
+GATES_SQL = ("SELECT role, gate FROM warm_start_progressed WHERE phase = 'done' AND gate IS NOT NULL "
+             "ORDER BY occurred_at, event_id")
+"""The gate of each warm start, from the trainers' last `WarmStartProgressed` (phase done)."""
+
+
+def warm_start_gates(run_dir: Path) -> dict[str, tuple[WarmStartGateCheck, ...]]:
+    """Role -> the checks of its warm start's gate (`pipeline.rl.warm_gate`), for the warm starts whose config set
+    one; a resumed trainer that checked its gate again counts with its latest."""
+    with Audit(run_dir) as audit:
+        rows = audit.query(GATES_SQL)[1]
+    gates = {}
+    for role, gate in rows:
+        checks = json.loads(gate) if isinstance(gate, str) else gate
+        gates[str(role)] = tuple(WarmStartGateCheck.model_validate(check) for check in checks)
+    return gates
+
+
+def missed_gates(run_dir: Path) -> list[str]:
+    """One line per warm start of the run whose gate failed (empty: every gate set passed)."""
+    from pipeline.rl.warm_gate import gate_line, gate_passed
+
+    return [gate_line(role, checks) for role, checks in warm_start_gates(run_dir).items() if not gate_passed(checks)]
+
+
+EVAL_PROVENANCE_SQL = (
+    "SELECT step, guided, count(*), min(policy_version), max(policy_version), min(bank_offset), max(bank_offset), "
+    "sum((json_array_length(served) > 0)::INTEGER) FROM trajectories WHERE split = 'eval' "
+    "GROUP BY step, guided ORDER BY step, guided DESC")
+"""Per evaluation and slot kind: the actor versions that played it and the bank positions its episodes were served
+from."""
+
+
+@dataclass(frozen=True)
+class EvalProvenance:
+    """What played one evaluation's episodes of one slot kind."""
+
+    step: int
+    guided: bool
+    episodes: int
+    versions: tuple[int, int]
+    """The lowest and highest actor version that played them."""
+    bank_offsets: tuple[int, int] | None
+    """The lowest and highest op-log position guided episodes were served from (None: none was served from a
+    bank)."""
+    served: int
+    """Episodes served a lesson."""
+
+    def describe(self) -> str:
+        """"step 9, guided (208): actor versions 7-8, bank positions 310-352, 196 served a lesson"."""
+        low, high = self.versions
+        versions = f"actor version {low}" if low == high else f"actor versions {low}-{high}"
+        line = f"step {self.step}, {'guided' if self.guided else 'free'} ({self.episodes}): {versions}"
+        if not self.guided:
+            return line
+        if self.bank_offsets is None or self.bank_offsets[1] == 0:
+            return f"{line}, an empty bank, {self.served} served a lesson"
+        first, last = self.bank_offsets
+        positions = f"bank position {first}" if first == last else f"bank positions {first}-{last}"
+        return f"{line}, {positions}, {self.served} served a lesson"
+
+
+def evaluation_provenance(run_dir: Path) -> list[EvalProvenance]:
+    """Per evaluation and slot kind, the actor versions and bank positions behind it (`EVAL_PROVENANCE_SQL`)."""
+    with Audit(run_dir) as audit:
+        rows = audit.query(EVAL_PROVENANCE_SQL)[1]
+    return [EvalProvenance(int(step), bool(guided), int(episodes), (int(low), int(high)),
+                           None if first is None else (int(first), int(last)), int(served or 0))
+            for step, guided, episodes, low, high, first, last, served in rows]
 
 
 # -- statistics over runs ---------------------------------------------------------------------------------------------
@@ -325,21 +403,26 @@ def success_ratio(units: list[tuple[int, int, int, int]]) -> float:
 
 
 def ratio_at_equal_env_steps(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes],
-                             resamples: int = 2000, paired: bool = True) -> tuple[Estimate, int]:
+                             resamples: int = 2000, paired: bool = True,
+                             slots: Literal["all", "free"] = "all") -> tuple[Estimate, int]:
     """Train success of arm `a` over arm `b` and the environment-step budget it was measured at: the smallest total
     any run of either arm played. Runs pair by position (the same seed: the same task draws per step), groups by
-    (step, group id); each unit is one pair of groups. paired False: the same units, each arm resampled on its own
-    (`bootstrap_independent`)."""
+    (step, group id); each unit is one pair of groups. `slots` "all": every episode of each group (guided and free:
+    what the arm achieves); "free": `a`'s free slots against `b`'s episodes in the same slots (what the actor has
+    learnt, without the help of a lesson; with common random numbers the same slot draws the same stream in both).
+    paired False: the same units, each arm resampled on its own (`bootstrap_independent`)."""
     if len(a) != len(b) or not a:
         raise InvalidArgumentError(f"arms pair run by run: {len(a)} runs against {len(b)}")
     budget = min(sum(g.actions for g in run.train) for run in (*a, *b))
     by_run: dict[int, list[tuple[int, int, int, int]]] = {}
     for i, (run_a, run_b) in enumerate(zip(a, b, strict=True)):
         groups_a, groups_b = within_budget(run_a, budget), within_budget(run_b, budget)
-        by_run[i] = [(sum(ga.guided + ga.free), len(ga.guided + ga.free), sum(gb.guided + gb.free),
-                      len(gb.guided + gb.free))
-                     for key in sorted(groups_a.keys() & groups_b.keys())
-                     for ga, gb in [(groups_a[key], groups_b[key])]]
+        units = []
+        for key in sorted(groups_a.keys() & groups_b.keys()):
+            outcomes_a, outcomes_b = _compared(groups_a[key], groups_b[key], slots)
+            if outcomes_a and outcomes_b:
+                units.append((sum(outcomes_a), len(outcomes_a), sum(outcomes_b), len(outcomes_b)))
+        by_run[i] = units
     if paired:
         return bootstrap(by_run, success_ratio, resamples=resamples), budget
     sides = ({i: [(u[0], u[1], 0, 1) for u in units] for i, units in by_run.items()},
@@ -350,3 +433,101 @@ def ratio_at_equal_env_steps(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes],
             (sum(u[0] for u in units_b) / sum(u[1] for u in units_b))
 
     return bootstrap_independent(*sides, ratio, resamples=resamples), budget
+
+
+def _compared(group_a: TrainGroup, group_b: TrainGroup,
+              slots: Literal["all", "free"]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """The outcomes of two paired groups that `ratio_at_equal_env_steps` compares."""
+    if slots == "all":
+        return group_a.guided + group_a.free, group_b.guided + group_b.free
+    free_b = dict(zip(group_b.free_slots, group_b.free, strict=True))
+    pairs = [(outcome, free_b[slot]) for slot, outcome in zip(group_a.free_slots, group_a.free, strict=True)
+             if slot in free_b]
+    return tuple(x for x, _ in pairs), tuple(y for _, y in pairs)
+
+
+# -- the extractor's versions: what each wrote and what its lessons did ----------------------------------------------
+
+
+LESSONS_SQL = (
+    "SELECT history.extractor_version, history.text, source.revealed FROM experience_history AS history "
+    "JOIN trajectory_completed AS source "
+    "ON source.trajectory_id = json_extract_string(history.source_trajectory_ids, '$[0]') "
+    "WHERE history.op_kind IN ('ExperienceAdded', 'ExperienceRefined') AND history.extractor_version IS NOT NULL")
+"""Every lesson the extractor added or refined (as applied), with the version that wrote it and what the episode it
+was distilled from revealed."""
+GUIDED_BY_VERSION_SQL = (
+    "SELECT generated.extractor_version, episodes.success FROM experience_usage AS usage "
+    "JOIN trajectories AS episodes USING (trajectory_id) "
+    "JOIN extraction_generated AS generated ON generated.generation_id = usage.generation_id "
+    "WHERE episodes.split = 'train' AND episodes.guided")
+"""Every guided train episode with the version of the extractor that wrote the lesson it was served."""
+EXTRACTOR_STEPS_SQL = ("SELECT step, rewards, loss, metrics FROM train_step_completed WHERE role = 'extractor' "
+                       "ORDER BY step, occurred_at")
+"""Every CISPO step with the rewards of its batch."""
+
+
+@dataclass(frozen=True)
+class ExtractorVersion:
+    """What one extractor version did in one run (or pooled over runs)."""
+
+    version: int
+    lessons: int
+    """Lessons it wrote of episodes that revealed something (where the goal lies)."""
+    stating: int
+    """Of those, the lessons that state what their episode revealed, word for word."""
+    guided: int
+    """Guided train episodes served one of its lessons."""
+    successes: int
+
+    @property
+    def right_share(self) -> float | None:
+        return self.stating / self.lessons if self.lessons else None
+
+    @property
+    def guided_success(self) -> float | None:
+        return self.successes / self.guided if self.guided else None
+
+
+def extractor_versions(run_dir: Path) -> list[ExtractorVersion]:
+    """Per extractor version: the share of its lessons that state what their episode revealed (`LESSONS_SQL`) and
+    the success of the guided train episodes its lessons were served to (`GUIDED_BY_VERSION_SQL`)."""
+    lessons: dict[int, list[bool]] = {}
+    guided: dict[int, list[bool]] = {}
+    with Audit(run_dir) as audit:
+        for version, text, revealed in audit.query(LESSONS_SQL)[1]:
+            facts = json.loads(revealed) if isinstance(revealed, str) else list(revealed or [])
+            if facts:
+                lessons.setdefault(int(version), []).append("; ".join(facts) in text)
+        for version, success in audit.query(GUIDED_BY_VERSION_SQL)[1]:
+            guided.setdefault(int(version), []).append(bool(success))
+    return [ExtractorVersion(v, len(lessons.get(v, [])), sum(lessons.get(v, [])), len(guided.get(v, [])),
+                             sum(guided.get(v, []))) for v in sorted(lessons.keys() | guided.keys())]
+
+
+@dataclass(frozen=True)
+class ExtractorStep:
+    """One CISPO step: the rewards of its batch (the mean outcome of each generation's guided episodes)."""
+
+    step: int
+    rewards: tuple[float, ...]
+    loss: float
+    clip_fraction: float | None
+
+    @property
+    def reward_variance(self) -> float:
+        mean = _mean(self.rewards)
+        return _mean([(r - mean) ** 2 for r in self.rewards])
+
+
+def extractor_steps(run_dir: Path) -> list[ExtractorStep]:
+    """The run's CISPO steps in order, with the rewards each batch was trained on."""
+    with Audit(run_dir) as audit:
+        rows = audit.query(EXTRACTOR_STEPS_SQL)[1]
+    steps = []
+    for step, rewards, loss, metrics in rows:
+        values = json.loads(rewards) if isinstance(rewards, str) else list(rewards or [])
+        scalars = json.loads(metrics) if isinstance(metrics, str) else dict(metrics or {})
+        steps.append(ExtractorStep(int(step), tuple(float(r) for r in values), float(loss),
+                                   scalars.get("train/clip_fraction")))
+    return steps

@@ -56,16 +56,20 @@ from pipeline.audit.learning import (
     RUN_CONFIG_SQL,
     TRAIN_OUTCOMES_SQL,
     ArmRow,
+    EvalProvenance,
     RunOutcomes,
     TrainGroup,
     arm_table,
+    evaluation_provenance,
     load_outcomes,
     row_cells,
     success_curve,
+    warm_start_gates,
 )
 from pipeline.audit.stats import Estimate
 from pipeline.audit.views import Audit
 from pipeline.errors import ConfigError, InvalidArgumentError
+from schemas.training import WarmStartGateCheck
 
 Series = dict[int, float]
 """step -> value, only the steps that have a value."""
@@ -502,7 +506,7 @@ _FAMILY_COLUMNS = ("run id", "task family", "eval success guided", "eval success
 _STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}"
           "details.source{margin:0.5em 0 1.5em}details.source pre{white-space:pre-wrap;background:#f4f4f4;"
-          "padding:0.5em}")
+          "padding:0.5em}li.missed{color:#b00;font-weight:bold}")
 # After the page has loaded, each figure says whether it loaded (`data-loaded`) and the table of arms how many rows
 # it shows (`data-rows`): what a reader's browser shows, readable from the DOM by a headless one.
 _LOAD_CHECK = (
@@ -563,7 +567,42 @@ def _source_block(name: str, source: Source, run_dirs: Sequence[Path]) -> str:
             f"<pre>{html.escape(commands)}</pre>\n</details>\n")
 
 
-def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = ()) -> str:
+@dataclass(frozen=True)
+class Behind:
+    """What stands behind one run's figures: its warm starts' gates and the versions and banks of its
+    evaluations."""
+
+    run_id: str
+    gates: dict[str, tuple[WarmStartGateCheck, ...]]
+    evaluations: tuple[EvalProvenance, ...]
+
+
+def behind(run_dir: Path, run_id: str) -> Behind:
+    return Behind(run_id, warm_start_gates(run_dir), tuple(evaluation_provenance(run_dir)))
+
+
+def _behind_section(runs: Sequence[Behind]) -> str:
+    """Per run: each warm start's gate (a missed one in red), then the actor versions and bank positions behind each
+    evaluation."""
+    from pipeline.rl.warm_gate import gate_line, gate_passed
+
+    items = []
+    for run in runs:
+        lines = [(gate_line(role, checks), not gate_passed(checks)) for role, checks in run.gates.items()]
+        lines += [(f"evaluated at {evaluation.describe()}", False) for evaluation in run.evaluations]
+        if not lines:
+            continue
+        entries = "".join(('<li class="missed">' if missed else "<li>") + f"{html.escape(text)}</li>"
+                          for text, missed in lines)
+        items.append(f"<li>{html.escape(run.run_id)}<ul>{entries}</ul></li>")
+    if not items:
+        return ""
+    return ("<h2>Behind the figures: warm-start gates, the versions and banks of each evaluation</h2>\n"
+            f'<ul id="behind">{"".join(items)}</ul>\n')
+
+
+def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = (),
+                backgrounds: Sequence[Behind] = ()) -> str:
     """The page: title, one table row per arm (evaluation success pooled over its runs, with 95% intervals), one
     per run, then the figures (referenced by file name, next to the page). Under the table of arms and under each
     figure, the `crl audit sql` commands that print the numbers it shows (`ARM_TABLE_SOURCE`, `FIGURE_SOURCES`)."""
@@ -584,6 +623,7 @@ def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequ
                       + _table(_FAMILY_COLUMNS, family_rows)) if family_rows else ""
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
+            f"{_behind_section(backgrounds)}"
             f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{family_section}{images}"
             f"{_LOAD_CHECK}\n</body></html>\n")
 
@@ -605,6 +645,7 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Repor
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {"learning": draw_learning(outcomes, arms, out_dir), **draw_figures(runs, out_dir)}
     page = out_dir / "report.html"
-    page.write_text(render_html([run.summary for run in runs], figures, arms), encoding="utf-8")
+    backgrounds = [behind(run.summary.run_dir, run.summary.run_id) for run in runs]
+    page.write_text(render_html([run.summary for run in runs], figures, arms, backgrounds), encoding="utf-8")
     return Report(html=page, figures=tuple(figures.values()), runs=tuple(run.summary for run in runs),
                   curves=tuple(run.curves for run in runs), arms=tuple(arms))

@@ -27,6 +27,7 @@ class ArmChoice(StrEnum):
     grpo = "grpo"
     static_extractor = "static_extractor"
     exp_only = "exp_only"
+    frozen = "frozen"
 
 
 def run(
@@ -91,10 +92,15 @@ def _supervise(settings: Settings, report: bool, resume: bool) -> None:
     status = finished.status if finished is not None else "interrupted"
     console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,
                   soft_wrap=True)
-    from pipeline.audit.learning import load_outcomes, verdict_lines
+    from pipeline.audit.learning import evaluation_provenance, load_outcomes, missed_gates, verdict_lines
 
     for line in verdict_lines(load_outcomes(settings.run_dir)):  # 95% intervals over the evaluated tasks
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for evaluation in evaluation_provenance(settings.run_dir):
+        console.print(f"evaluated at {evaluation.describe()}", markup=False, highlight=False, soft_wrap=True)
+    for line in missed_gates(settings.run_dir):
+        console.print(f"{line}: this run's learning figures stand on a warm start that missed its gate",
+                      style="bold red", markup=False, highlight=False, soft_wrap=True)
     if report:
         from pipeline.audit.report import summary_line, write_report
 

@@ -74,6 +74,16 @@ INVALID_NOTE_ACTIONS = 40
 """An invalid action's note lists the valid actions up to this many (ScienceWorld offers over a hundred)."""
 
 _WORD = re.compile(r"[a-z]+")
+_OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east", "northeast": "southwest",
+             "southwest": "northeast", "northwest": "southeast", "southeast": "northwest"}
+_DIRECTION = re.compile(r"\b(" + "|".join(sorted(_OPPOSITE, key=len, reverse=True)) + r")\b")
+
+
+def reversed_directions(fact: str) -> str:
+    """A revealed fact with every compass direction turned around ("staircase down: 5 west of the start" ->
+    "... 5 east of the start"): a fact that is wrong wherever the original is right, for checking that an actor
+    follows what a lesson says (`pipeline.rl.warm_gate`). A fact with no direction comes back unchanged."""
+    return _DIRECTION.sub(lambda match: _OPPOSITE[match.group(1)], fact)
 
 
 def parse_action(response: str, actions: tuple[str, ...], *, words: bool = True) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.models.settings import ModelSettings
 
@@ -52,6 +52,42 @@ class TrainerSettings(BaseModel):
 DEFAULT_WARM_START_CACHE = Path.home() / ".cache" / "complementary-rl" / "warm-start"
 
 
+class WarmStartGate(BaseModel):
+    """What a warm start must show on held-out data before its version 0 is trusted (`pipeline.rl.warm_gate`): data
+    episodes of tasks from the eval split, which the warm start never trained on, played after every warm start,
+    computed or loaded from the cache. A missed gate does not stop the run: the trainer logs it as an error, the live
+    view and the report say it in red, and `benchmarks/learning.py` refuses to score the run. Each bound is optional;
+    the extractor's bounds apply to the extractor's warm start, the actor's to the actor's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    episodes: int = Field(default=64, gt=0, description="Held-out data episodes (unseen tasks) the gate plays.")
+    min_parse_ok: float | None = Field(
+        default=None, ge=0, le=1,
+        description="Extractor: the least share of its distillations of the held-out episodes that parse.")
+    min_states_revealed: float | None = Field(
+        default=None, ge=0, le=1,
+        description="Extractor: the least share of its lessons of held-out episodes that revealed something (where "
+        "the goal lies) that state it word for word.")
+    min_success_right: float | None = Field(
+        default=None, ge=0, le=1,
+        description="Actor: the least success on held-out tasks guided by a right lesson (what a play of the same task "
+        "revealed, as the rule-based summariser words it).")
+    max_success_wrong: float | None = Field(
+        default=None, ge=0, le=1,
+        description="Actor: the most success on the same tasks guided by a wrong lesson (the same fact with its "
+        "directions reversed): an actor that follows lessons goes the wrong way.")
+
+    def bounds(self, role: str) -> dict[str, float]:
+        """The bounds set for `role`'s warm start ("actor" or "extractor"), by name."""
+        return {name: value for name in GATE_BOUNDS[role] if (value := getattr(self, name)) is not None}
+
+
+GATE_BOUNDS = {"actor": ("min_success_right", "max_success_wrong"),
+               "extractor": ("min_parse_ok", "min_states_revealed")}
+"""The gate's bounds of each trainer's warm start."""
+
+
 class WarmStartSettings(BaseModel):
     """A short supervised warm start of a freshly built policy, before version 0 is published (CPU preset only:
     paper-scale configs start from pretrained models and leave `steps` at 0). The actor is behaviour-cloned from
@@ -77,6 +113,13 @@ class WarmStartSettings(BaseModel):
         description="Actor only: share of the behaviour-cloning labels replaced by an action drawn at random, so "
         "the actor imitates a noisy solver and starts competent but imperfect however long it trains (RL then has "
         "room to improve it).")
+    omit_facts: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Extractor only: share of the rule-based lessons of episodes that revealed something written "
+        "without it (the outcome sentence alone), so the warm-started extractor states what an episode revealed "
+        "only part of the time: a deliberately imperfect start that the outcome reward can correct.")
+    gate: WarmStartGate | None = Field(
+        default=None, description="What the warm-started policy must show on held-out data (None: not checked).")
     seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
     cache_dir: Path | None = Field(
         default=DEFAULT_WARM_START_CACHE,
@@ -100,6 +143,13 @@ class ActorTrainerSettings(TrainerSettings):
         default_factory=WarmStartSettings,
         description="Behaviour cloning from scripted solvers before version 0 (tiny CPU preset; 0 steps = off).")
 
+    @model_validator(mode="after")
+    def _actor_warm_start(self) -> ActorTrainerSettings:
+        _only_own_bounds(self.warm_start, "actor", "min_parse_ok", "min_states_revealed")
+        if self.warm_start.omit_facts:
+            raise ValueError("warm_start.omit_facts applies to the extractor's warm start, not the actor's")
+        return self
+
 
 class ExtractorTrainerSettings(TrainerSettings):
     """The extractor trainer (CISPO with Eq. 7 weights). Environment: `CRL_EXTRACTOR_TRAINER__<FIELD>`."""
@@ -112,3 +162,19 @@ class ExtractorTrainerSettings(TrainerSettings):
     warm_start: WarmStartSettings = Field(
         default_factory=WarmStartSettings,
         description="Fine-tuning on a rule-based summariser's ops before version 0 (tiny CPU preset; 0 steps = off).")
+
+    @model_validator(mode="after")
+    def _extractor_warm_start(self) -> ExtractorTrainerSettings:
+        _only_own_bounds(self.warm_start, "extractor", "min_success_right", "max_success_wrong")
+        if self.warm_start.label_noise:
+            raise ValueError("warm_start.label_noise applies to the actor's warm start, not the extractor's "
+                             "(the extractor's imperfection is warm_start.omit_facts)")
+        return self
+
+
+def _only_own_bounds(warm: WarmStartSettings, role: str, *others: str) -> None:
+    """A gate bound of the other trainer's warm start is a mistake in the config, not a check to skip."""
+    wrong = [name for name in others if warm.gate is not None and getattr(warm.gate, name) is not None]
+    if wrong:
+        raise ValueError(f"warm_start.gate.{wrong[0]} checks the other trainer's warm start; the {role}'s gate takes "
+                         f"{' and '.join(GATE_BOUNDS[role])}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from schemas.base import Event, Producer, Role
-from schemas.training import WarmStartPhase, WarmStartProgressed
+from schemas.training import WarmStartGateCheck, WarmStartPhase, WarmStartProgressed
 
 _NAMESPACE = uuid.UUID("0f6b2d1e-7c4a-4f3b-9e85-3a9d51c7e204")
 
@@ -26,15 +26,15 @@ Announce = Callable[[Event], None]
 
 class Progress(Protocol):
     """Told how far a warm start has come: at the start of each phase, after every data episode and every step, and
-    once when it is done (or loaded from the cache). It must not touch the random state: the weights are the same
-    whoever listens."""
+    once when it is done (or loaded from the cache), with its gate's checks where the config sets a gate. It must
+    not touch the random state: the weights are the same whoever listens."""
 
     def __call__(self, phase: WarmStartPhase, done: int, total: int, *, loss: float | None = None,
-                 cached: bool = False) -> None: ...
+                 cached: bool = False, gate: tuple[WarmStartGateCheck, ...] | None = None) -> None: ...
 
 
 def no_progress(phase: WarmStartPhase, done: int, total: int, *, loss: float | None = None,
-                cached: bool = False) -> None:
+                cached: bool = False, gate: tuple[WarmStartGateCheck, ...] | None = None) -> None:
     """The `Progress` of a warm start nobody watches."""
 
 
@@ -59,7 +59,7 @@ class WarmStartReporter:
         self._last_sent = -math.inf
 
     def __call__(self, phase: WarmStartPhase, done: int, total: int, *, loss: float | None = None,
-                 cached: bool = False) -> None:
+                 cached: bool = False, gate: tuple[WarmStartGateCheck, ...] | None = None) -> None:
         now = self.clock()
         first = phase != self._phase
         last = done >= total
@@ -71,5 +71,5 @@ class WarmStartReporter:
             event_id=warm_start_id(self.run_id, self.role, phase, done), run_id=self.run_id, producer=self.producer,
             role=self.role, phase=phase, done=done, total=total,
             loss=loss if loss is not None and math.isfinite(loss) else None,  # events carry finite numbers only
-            cached=cached, elapsed_s=max(0.0, now - self.started),
+            cached=cached, elapsed_s=max(0.0, now - self.started), gate=gate,
         ))

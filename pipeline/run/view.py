@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.run.processes import WorkerProcess, last_metrics
 from pipeline.run.progress import RunProgress
@@ -59,6 +60,19 @@ def _warm_start(progress: RunProgress, warming: Sequence[str] = ()) -> str:
     return " | ".join(parts)
 
 
+def _gates(progress: RunProgress) -> str | None:
+    """The warm starts' gates, once checked: `actor passed | extractor MISSED: states_revealed 0.40 >= 0.90 (58)
+    MISSED`; None while no warm start with a gate is done."""
+    from pipeline.rl.warm_gate import describe, gate_passed
+
+    parts = []
+    for role, event in sorted(progress.warm.items()):
+        if event.phase == "done" and event.gate is not None:
+            parts.append(f"{role} passed" if gate_passed(event.gate) else
+                         f"{role} MISSED: " + ", ".join(describe(check) for check in event.gate if not check.passed))
+    return " | ".join(parts) or None
+
+
 def _eta(progress: RunProgress, steps: int) -> str:
     """Time left: of the warm starts while one runs, else of the train steps not yet finished; `-` until measured."""
     if progress.finished is not None:
@@ -82,6 +96,8 @@ def numbers(progress: RunProgress, lock: threading.Lock, steps: int,
         figures = {ETA: _eta(p, steps)}
         if p.warm or (warming and p.step_issued < 0):
             figures["warm start"] = _warm_start(p, warming if p.step_issued < 0 else ())
+        if (gates := _gates(p)) is not None:
+            figures["warm-start gate"] = gates
         figures |= {
             "step": f"{p.step_issued + 1}/{steps}",
             "train": _pair(p, "train"),
@@ -121,7 +137,7 @@ def live_view(figures: dict[str, str], *, run_id: str, arm: str, run_dir: Path, 
     run.add_row("run", f"{run_id}  arm {arm}  elapsed {duration(elapsed)}  ETA {figures.get(ETA, '-')}  ({run_dir})")
     for key, value in figures.items():
         if key != ETA:
-            run.add_row(key, value)
+            run.add_row(key, Text(value, style="bold red") if "MISSED" in value else Text(value))
     table = Table("worker", "pid", "state", "restarts", "in", "out", "lag", title=None)
     for worker in workers:
         metrics = last_metrics(run_dir, worker.instance, 1)

@@ -115,3 +115,28 @@ def test_deterministic_mode_refuses_settings_that_let_steps_overlap(tmp_path):
     for wrong in ("scheduler.staleness is 1, needs 0", "scheduler.max_steps_ahead is 1, needs 0",
                   "launch.extractor_workers is 2, needs 1"):
         assert wrong in message
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_step_0_evaluation_is_played_before_any_train_episode_is_issued(tmp_path, deterministic):
+    """The baseline: step 0's evaluation is issued first, and step 0's train groups only once it finished, so no
+    actor version but 0 exists and nothing is distilled while it plays, in every mode."""
+    settings = settings_for(tmp_path, scheduler={"arm": "complementary", "steps": 2, "eval_every": 1,
+                                                 "max_steps_ahead": 0 if deterministic else 1,
+                                                 "deterministic": deterministic},
+                            actor_trainer={"warmup_steps": 1})
+    worker, context = build_worker(Scheduler, settings)
+    first = run_worker(worker, [_actor(0), _extractor(0)], context=context)
+    issued = [e for e in first.outputs if isinstance(e, EpisodeAssigned)]
+    assert issued and {(a.step, a.split, a.policy_version) for a in issued} == {(0, "eval", 0)}
+    assert sum(a.guided for a in issued) == len(issued) // 2  # guided slots: served from the empty bank
+
+    worker, context = build_worker(Scheduler, settings, log=first.outputs)
+    second = run_worker(worker, [_actor(0), _extractor(0), *_played(issued[:-1])], context=context)
+    assert not any(isinstance(e, EpisodeAssigned) for e in second.outputs), "one evaluation episode is still out"
+
+    worker, context = build_worker(Scheduler, settings, log=first.outputs)
+    third = run_worker(worker, [_actor(0), _extractor(0), *_played(issued)], context=context)
+    later = [e for e in third.outputs if isinstance(e, EpisodeAssigned)]
+    assert (0, "train") in {(a.step, a.split) for a in later}
+    assert not any(a.step == 0 and a.split == "eval" for a in later), "the evaluation is not issued twice"

@@ -21,7 +21,7 @@ from pipeline.extractor.protocol import (
     render_answer,
 )
 from pipeline.extractor.settings import ExtractorSettings
-from pipeline.rl.warm_start import (
+from pipeline.rl.warm_data import (
     extractor_samples,
     lesson,
     play_data_episodes,
@@ -130,10 +130,12 @@ def test_the_rule_based_summariser_writes_answers_the_parser_accepts():
     revealing = TrajectoryDigest(**{**failed.__dict__, "revealed": ("staircase down: west of the start",)})
     refined = parse_distill(summarise(revealing, ["old"], 400), 1, max_ops=3, max_chars=400)
     assert refined == [DistillOp("refine", "Failed after 4 actions (1 invalid). staircase down: west of the start.", 1)]
-    merged = parse_merge(summarise_merge(["Solved a", "Failed b", "Solved c", "Failed d", "Odd e"], 400), 5,
-                         max_chars=400)
-    assert merged == [MergeOp("merge", (1, 3), "2 lessons agree: Solved a"),
-                      MergeOp("merge", (2, 4), "2 lessons agree: Failed b")]
+    # lessons that give the same advice merge into one lesson of it; lessons that advise otherwise stay apart
+    merged = parse_merge(summarise_merge(["Solved in 3 actions. Go east.", "Failed after 9 actions. Go west.",
+                                          "Failed after 9 actions (1 invalid). Go east.", "Solved in 4 actions. "
+                                          "Go west.", "Odd"], 400), 5, max_chars=400)
+    assert merged == [MergeOp("merge", (1, 3), "2 lessons agree: Go east."),
+                      MergeOp("merge", (2, 4), "2 lessons agree: Go west.")]
     assert render_answer([]) == "<answer>[]</answer>"
     # what the episode revealed replaces the generic advice
     found = TrajectoryDigest(**{**DIGEST.__dict__, "revealed": ("staircase down: 1 north, 2 west of the start",)})
@@ -166,7 +168,7 @@ def test_capacity_evicts_the_oldest_beyond_the_cap_counting_pending_adds():
 
 
 def test_the_actors_data_carries_informative_and_irrelevant_experiences():
-    from pipeline.rl.warm_start import actor_samples as warm_actor_samples
+    from pipeline.rl.warm_data import actor_samples as warm_actor_samples
 
     tasks = [TaskMix(env_id="MiniHack-Room-Random-5x5-v0", max_turns=10)]
     episodes = play_data_episodes(tasks, EnvSettings(), 40, 1.0, seed=5)
@@ -186,7 +188,7 @@ def test_the_actors_data_carries_informative_and_irrelevant_experiences():
 
 
 def test_on_a_memory_task_lessons_that_state_the_side_are_followed_and_the_rest_leave_the_actor_guessing():
-    from pipeline.rl.warm_start import actor_samples as warm_actor_samples
+    from pipeline.rl.warm_data import actor_samples as warm_actor_samples
 
     tasks = [TaskMix(env_id="MiniHack-DarkCorridor-v0", max_turns=9)]
     episodes = play_data_episodes(tasks, EnvSettings(), 64, 0.5, seed=2, plays_per_task=4)

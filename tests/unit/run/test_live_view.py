@@ -163,6 +163,7 @@ def test_the_reporter_publishes_the_first_and_last_of_each_phase_and_at_most_one
 
 
 def test_a_warm_start_from_the_cache_publishes_one_done(tmp_path: Path):
+    from pipeline.actor.settings import RolloutSettings
     from pipeline.envs.settings import EnvSettings, TaskMix
     from pipeline.models.settings import TinyModelSettings
     from pipeline.models.tiny import build_tiny
@@ -176,7 +177,7 @@ def test_a_warm_start_from_the_cache_publishes_one_done(tmp_path: Path):
     runs = []
     for _ in range(2):
         published: list[WarmStartProgressed] = []
-        warm_start_actor(build_tiny(tiny), settings, tasks, EnvSettings(), history_turns=1,
+        warm_start_actor(build_tiny(tiny), settings, tasks, EnvSettings(), RolloutSettings(history_turns=1),
                          progress=WarmStartReporter("r", "actor", WHO, published.append, interval_s=3600))
         runs.append([(e.phase, e.done, e.total, e.cached) for e in published])
     computed, cached = runs
