@@ -35,11 +35,13 @@ MIX = {"add": 0.45, "refine": 0.25, "merge": 0.08, "retire": 0.07, "conflict": 0
 
 
 def embedding_like(rng: np.random.Generator, count: int, dim: int = 384, rank: int = 32) -> np.ndarray:
-    """`count` unit vectors concentrated near a `rank`-dimensional subspace, like sentence embeddings."""
-    basis = np.random.default_rng(12345).standard_normal((rank, dim)).astype(np.float32)
-    vectors = rng.standard_normal((count, rank)).astype(np.float32) @ basis
-    vectors += 0.1 * rng.standard_normal((count, dim)).astype(np.float32)
-    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    """`count` unit vectors concentrated near a `rank`-dimensional subspace, like sentence embeddings. Computed in
+    float64 and rounded to float32 at the end: a float32 product's rounding depends on the BLAS kernel the CPU
+    dispatches to, so float16 keys made from it differed between machines (and so did pinned bank hashes)."""
+    basis = np.random.default_rng(12345).standard_normal((rank, dim))
+    vectors = rng.standard_normal((count, rank)) @ basis
+    vectors += 0.1 * rng.standard_normal((count, dim))
+    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
 
 
 def synthetic_bank(size: int, task_family: str, dim: int = 384, key_model: str = "all-MiniLM-L6-v2",

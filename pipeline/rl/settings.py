@@ -67,8 +67,8 @@ class WarmStartGate(BaseModel):
         description="Extractor: the least share of its distillations of the held-out episodes that parse.")
     min_states_revealed: float | None = Field(
         default=None, ge=0, le=1,
-        description="Extractor: the least share of its lessons of held-out episodes that revealed something (where "
-        "the goal lies) that state it word for word.")
+        description="Extractor: the least share of the held-out episodes that revealed something (where the goal "
+        "lies) whose answer holds a lesson that states it word for word.")
     min_success_right: float | None = Field(
         default=None, ge=0, le=1,
         description="Actor: the least success on held-out tasks guided by a right lesson (what a play of the same task "
@@ -145,7 +145,8 @@ class ActorTrainerSettings(TrainerSettings):
 
     @model_validator(mode="after")
     def _actor_warm_start(self) -> ActorTrainerSettings:
-        _only_own_bounds(self.warm_start, "actor", "min_parse_ok", "min_states_revealed")
+        if (wrong := _other_roles_bound(self.warm_start, "actor", "min_parse_ok", "min_states_revealed")) is not None:
+            raise ValueError(wrong)
         if self.warm_start.omit_facts:
             raise ValueError("warm_start.omit_facts applies to the extractor's warm start, not the actor's")
         return self
@@ -165,16 +166,20 @@ class ExtractorTrainerSettings(TrainerSettings):
 
     @model_validator(mode="after")
     def _extractor_warm_start(self) -> ExtractorTrainerSettings:
-        _only_own_bounds(self.warm_start, "extractor", "min_success_right", "max_success_wrong")
+        if (wrong := _other_roles_bound(self.warm_start, "extractor", "min_success_right",
+                                        "max_success_wrong")) is not None:
+            raise ValueError(wrong)
         if self.warm_start.label_noise:
             raise ValueError("warm_start.label_noise applies to the actor's warm start, not the extractor's "
                              "(the extractor's imperfection is warm_start.omit_facts)")
         return self
 
 
-def _only_own_bounds(warm: WarmStartSettings, role: str, *others: str) -> None:
-    """A gate bound of the other trainer's warm start is a mistake in the config, not a check to skip."""
+def _other_roles_bound(warm: WarmStartSettings, role: str, *others: str) -> str | None:
+    """What is wrong when the gate of `role`'s warm start sets a bound of the other trainer's (a mistake in the
+    config, not a check to skip); None when nothing is."""
     wrong = [name for name in others if warm.gate is not None and getattr(warm.gate, name) is not None]
-    if wrong:
-        raise ValueError(f"warm_start.gate.{wrong[0]} checks the other trainer's warm start; the {role}'s gate takes "
-                         f"{' and '.join(GATE_BOUNDS[role])}")
+    if not wrong:
+        return None
+    return (f"warm_start.gate.{wrong[0]} checks the other trainer's warm start; the {role}'s gate takes "
+            f"{' and '.join(GATE_BOUNDS[role])}")

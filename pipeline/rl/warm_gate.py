@@ -90,9 +90,9 @@ class Distilled:
 
     @property
     def states_fact(self) -> bool | None:
-        """Whether a lesson states what the episode revealed word for word; None when the episode revealed nothing
-        or the answer holds no lesson (kept nothing, or did not parse)."""
-        if not self.fact or not self.lessons:
+        """Whether a lesson of the answer states what the episode revealed word for word (False when the answer
+        holds no lesson: it kept nothing, or did not parse); None when the episode revealed nothing."""
+        if not self.fact:
             return None
         return any(self.fact in text for text in self.lessons)
 

@@ -55,6 +55,10 @@ def test_the_run_completes_and_points_at_what_to_do_next(finished_run):
         assert " at step 0 -> " in line and " at step 3: " in line
         assert line.split(" at step 3: ")[1].startswith(("rose", "fell", "no clear change")), line
     assert "  guided - free at step 3: " in output
+    # what stands behind each evaluation: the baseline is version 0 with an empty bank
+    assert "evaluated at step 0, guided (4): actor version 0, an empty bank, 0 served a lesson" in output
+    assert "evaluated at step 0, free (4): actor version 0" in output
+    assert "evaluated at step 3, guided (4): actor version" in output
     assert f"crl replay bank {run_dir}" in output and f"crl audit experience {run_dir}" in output
     assert not (run_dir / "broker.json").exists(), "the broker was stopped and its address file removed"
     for name in ("archive", "checkpoints", "logs", "metrics", "bank/snapshots", "report"):
@@ -90,6 +94,13 @@ def test_the_log_holds_the_whole_loop(finished_run):
         assert one("SELECT count(*) FROM experience_added") >= 16
         assert one("SELECT count(*) FROM experience_refined") >= 1
         assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2  # steps 2, 3; 0, 1 warm up
+        # the step-0 evaluation is the baseline: played by version 0 with an empty bank, before any train episode
+        # was issued
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'eval' AND step = 0") == 8
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'eval' AND step = 0 "
+                   "AND (policy_version <> 0 OR served <> '[]')") == 0
+        assert one("SELECT max(t.occurred_at) < (SELECT min(occurred_at) FROM episode_assigned WHERE split = 'train') "
+                   "FROM trajectory_completed AS t WHERE t.split = 'eval' AND t.step = 0")
         assert one("SELECT count(*) FROM policy_versions WHERE role = 'extractor'") >= 1
 
 

@@ -58,8 +58,8 @@ def test_an_archive_gives_outcomes_per_eval_task_and_per_train_group(tmp_path):
     assert run.evals == {(0, ENV, "t", 100): {True: [True], False: [False]},
                          (0, ENV, "r", 101): {True: [], False: [True]},
                          (2, ENV, "t", 100): {True: [False], False: []}}
-    assert run.train == (TrainGroup(0, "train-s0", (True,), (False,), 10),
-                         TrainGroup(1, "train-s1", (), (False, True), 7))
+    assert run.train == (TrainGroup(0, "train-s0", (True,), (False,), 10, (1,)),
+                         TrainGroup(1, "train-s1", (), (False, True), 7, (0, 1)))
     assert run.eval_steps("t") == [0, 2] and run.eval_steps("r") == [0]
     assert run.evaluation("t", "last") == {(ENV, 100): {True: [False], False: []}}
 
@@ -136,8 +136,9 @@ def test_a_run_states_in_words_whether_success_rose():
     assert lines[2].startswith("eval success, unseen tasks (3), free: 0.50 [") and "-> 0.83 [" in lines[2]
 
 
-def group(step, group_id, guided, free, actions):
-    return TrainGroup(step, group_id, tuple(guided), tuple(free), actions)
+def group(step, group_id, guided, free, actions, free_slots=None):
+    slots = tuple(range(len(guided), len(guided) + len(free))) if free_slots is None else tuple(free_slots)
+    return TrainGroup(step, group_id, tuple(guided), tuple(free), actions, slots)
 
 
 def test_arms_compare_at_equal_environment_steps():
@@ -154,6 +155,12 @@ def test_arms_compare_at_equal_environment_steps():
     assert budget == 25 and ratio.value == pytest.approx(4.0)
     with pytest.raises(InvalidArgumentError, match="pair run by run"):
         ratio_at_equal_env_steps([a], [b, b])
+    # Free slots only: A's free slots (2, 3 at step 1; 1 at step 2) against B's episodes in the same slots.
+    b_better = outcomes({}, [group(0, "g0", [], [True, False], 5), group(1, "g0", [], [True, False, True, False], 10),
+                             group(2, "g0", [], [True, True], 10)])
+    free, _ = ratio_at_equal_env_steps([a], [b_better], slots="free")
+    # step 1: A [F, F] vs B slots 2, 3 [T, F]; step 2: A [T] vs B slot 1 [T]: (1 / 3) / (2 / 3) = 0.5
+    assert free.value == pytest.approx(0.5)
 
 
 def test_success_curves_put_each_step_at_the_mean_environment_steps_played_by_its_end():
@@ -205,3 +212,40 @@ def test_the_unpaired_ratio_resamples_each_arm_on_its_own():
     # A 3 of 4, B 1 of 4: 3.0 either way; a resample of B's groups alone can draw g1 twice (a zero rate): skipped
     assert budget == 8 and paired.value == unpaired.value == pytest.approx(3.0)
     assert unpaired.high - unpaired.low >= paired.high - paired.low
+
+
+def test_each_evaluation_names_the_versions_and_bank_positions_behind_it(tmp_path):
+    from pipeline.audit.learning import evaluation_provenance
+
+    def evaluated(step, slot, guided, version, offset, served):
+        e = episode("run-p", step, "eval", slot, True, 3, served=("x",) if served else (), guided=guided)
+        return e.model_copy(update={"policy_version": version, "bank_offset": offset,
+                                    "trajectory_id": f"eval-{step}-{slot}"})
+
+    events = [RunStarted(**common("run-p"), config={"scheduler": {"arm": "complementary"}}, code_version="x"),
+              evaluated(0, 0, True, 0, 0, False), evaluated(0, 1, False, 0, None, False),
+              evaluated(9, 0, True, 7, 310, True), evaluated(9, 1, True, 8, 352, True),
+              evaluated(9, 2, True, 8, 352, False), evaluated(9, 3, False, 7, None, False)]
+    found = evaluation_provenance(archived(tmp_path / "p", events))
+    assert [e.describe() for e in found] == [
+        "step 0, guided (1): actor version 0, an empty bank, 0 served a lesson",
+        "step 0, free (1): actor version 0",
+        "step 9, guided (3): actor versions 7-8, bank positions 310-352, 2 served a lesson",
+        "step 9, free (1): actor version 7"]
+
+
+def test_a_run_whose_warm_start_missed_its_gate_is_named(tmp_path):
+    from pipeline.audit.learning import missed_gates, warm_start_gates
+    from schemas.training import WarmStartGateCheck, WarmStartProgressed
+
+    def done(role, passed):
+        check = WarmStartGateCheck(name="min_states_revealed", value=0.95 if passed else 0.42, bound=0.9, samples=74,
+                                   passed=passed)
+        return WarmStartProgressed(**common("run-g"), role=role, phase="done", done=10, total=10, elapsed_s=1.0,
+                                   gate=(check,))
+
+    run_dir = archived(tmp_path / "g", [done("actor", True), done("extractor", False)])
+    assert {role: [c.passed for c in checks] for role, checks in warm_start_gates(run_dir).items()} == {
+        "actor": [True], "extractor": [False]}
+    assert missed_gates(run_dir) == ["extractor warm start gate MISSED: states_revealed 0.42 >= 0.90 (74) MISSED"]
+    assert missed_gates(archived(tmp_path / "h", [done("actor", True)])) == []

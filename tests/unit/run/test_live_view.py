@@ -184,3 +184,25 @@ def test_a_warm_start_from_the_cache_publishes_one_done(tmp_path: Path):
     assert computed == [("data", 0, 4, False), ("data", 4, 4, False), ("train", 0, 3, False), ("train", 3, 3, False),
                         ("done", 3, 3, False)]
     assert cached == [("done", 3, 3, True)]
+
+
+def test_a_missed_warm_start_gate_is_said_plainly_in_red(tmp_path):
+    from schemas.training import WarmStartGateCheck
+
+    passed = (WarmStartGateCheck(name="min_success_right", value=0.95, bound=0.8, samples=32, passed=True),)
+    missed = (WarmStartGateCheck(name="min_parse_ok", value=1.0, bound=0.9, samples=96, passed=True),
+              WarmStartGateCheck(name="min_states_revealed", value=0.42, bound=0.9, samples=74, passed=False))
+    progress = RunProgress("r")
+    figures = _figures(progress, _warm("actor", "train", 100, 250, 60.0, 1.234))
+    assert "warm-start gate" not in figures, "no gate is known before a warm start is done"
+    figures = _figures(progress, _warm("actor", "done", 250, 250, 90.0, 0.8).model_copy(update={"gate": passed}),
+                       _warm("extractor", "done", 1000, 1000, 400.0, 0.1).model_copy(update={"gate": missed}))
+    assert figures["warm-start gate"] == \
+        "actor passed | extractor MISSED: states_revealed 0.42 >= 0.90 (74) MISSED"
+    console = Console(file=io.StringIO(), width=200, record=True, force_terminal=True, color_system="truecolor")
+    console.print(live_view(figures, run_id="r", arm="complementary", run_dir=tmp_path, started=time.monotonic(),
+                            workers=[]))
+    styled = console.export_html(inline_styles=True)
+    row = next(line for line in styled.splitlines() if "extractor MISSED" in line)
+    assert '<span style="color: #800000; text-decoration-color: #800000; font-weight: bold">actor passed | ' \
+        'extractor MISSED' in row, row
