@@ -132,7 +132,8 @@ def warm_start_gates(run_dir: Path) -> dict[str, tuple[WarmStartGateCheck, ...]]
     gates = {}
     for role, gate in rows:
         checks = json.loads(gate) if isinstance(gate, str) else gate
-        gates[str(role)] = tuple(WarmStartGateCheck.model_validate(check) for check in checks)
+        if checks is not None:  # the archive keeps a warm start without a gate as JSON null
+            gates[str(role)] = tuple(WarmStartGateCheck.model_validate(check) for check in checks)
     return gates
 
 

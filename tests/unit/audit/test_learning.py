@@ -244,8 +244,9 @@ def test_a_run_whose_warm_start_missed_its_gate_is_named(tmp_path):
         return WarmStartProgressed(**common("run-g"), role=role, phase="done", done=10, total=10, elapsed_s=1.0,
                                    gate=(check,))
 
-    run_dir = archived(tmp_path / "g", [done("actor", True), done("extractor", False)])
+    ungated = done("actor", True).model_copy(update={"gate": None, "role": "extractor"})
+    run_dir = archived(tmp_path / "g", [ungated, done("actor", True), done("extractor", False)])
     assert {role: [c.passed for c in checks] for role, checks in warm_start_gates(run_dir).items()} == {
         "actor": [True], "extractor": [False]}
     assert missed_gates(run_dir) == ["extractor warm start gate MISSED: states_revealed 0.42 >= 0.90 (74) MISSED"]
-    assert missed_gates(archived(tmp_path / "h", [done("actor", True)])) == []
+    assert missed_gates(archived(tmp_path / "h", [done("actor", True), ungated])) == []
