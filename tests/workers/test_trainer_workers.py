@@ -109,3 +109,23 @@ def test_in_deterministic_mode_the_extractor_trainer_trains_at_step_boundaries_a
     assert [len(s.batch_event_ids) for s in steps] == [2]
     by_id = {str(g.event_id): g.generation_id for g in generations}
     assert [by_id[i] for i in steps[0].batch_event_ids] == sorted(g.generation_id for g in generations)
+
+
+def test_in_the_frozen_arm_neither_trainer_trains(tmp_path):
+    """`frozen`, the control of `exp_only`: both trainers publish version 0 and train nothing, given the same
+    episodes and generations that train them in the other arms."""
+    settings = settings_for(tmp_path, scheduler={"arm": "frozen"}, actor_trainer={"group_size": 4})
+    trajectories = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=0, groups=1, group_size=4, seed=0)
+    actor, context = build_worker(ActorTrainer, settings)
+    played = run_worker(actor, trajectories, context=context)
+    assert [(e.kind, e.version) for e in played.outputs if isinstance(e, PolicyPublished)] == [("PolicyPublished", 0)]
+    assert not any(isinstance(e, TrainStepCompleted) for e in played.outputs)
+
+    generations = synthetic_extractions(build_tiny(TINY.model_copy(update={"seed": 1})), run_id=RUN, count=2,
+                                        seed=2)
+    guided = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=1, groups=1, group_size=4, seed=3,
+                                    served_generations=[g.generation_id for g in generations])
+    extractor, context = build_worker(ExtractorTrainer, settings)
+    credited = run_worker(extractor, [*generations, *guided], context=context)
+    assert [e.version for e in credited.outputs if isinstance(e, PolicyPublished)] == [0]
+    assert not any(isinstance(e, TrainStepCompleted) for e in credited.outputs)

@@ -34,7 +34,8 @@ def test_required_version_is_the_staleness_bound():
     assert [on_policy.schedule().required_version(s) for s in range(6)] == [0, 0, 0, 1, 2, 3]  # steps 0, 1 are warm-up
     stale = _settings(staleness=1)
     assert [stale.schedule().required_version(s) for s in range(6)] == [0, 0, 0, 0, 1, 2]
-    assert [_settings(arm="exp_only").schedule().required_version(s) for s in range(6)] == [0] * 6
+    for frozen_actor in ("exp_only", "frozen"):
+        assert [_settings(arm=frozen_actor).schedule().required_version(s) for s in range(6)] == [0] * 6
 
 
 def test_guided_slots_merges_and_evaluations():

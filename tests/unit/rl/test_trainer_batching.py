@@ -193,3 +193,36 @@ def test_the_extractor_is_not_credited_by_an_episode_its_engine_failed():
 def test_an_engine_failure_cannot_be_a_success():
     with pytest.raises(ValueError, match="engine failed cannot be a success"):
         trajectory(0, "g1", 0, success=True, env_error="boom")
+
+
+def test_a_refined_lessons_outcomes_go_to_the_generation_that_wrote_the_version_served():
+    """Experience x: added by generation g-add (version 1), refined by g-refine (version 2). An episode served
+    version 1 credits g-add, one served version 2 credits g-refine; the adder is not credited for what its lesson
+    became, the refiner not for what it replaced. Worked by hand: g-add has outcomes +1 (t1) and -1 (t2), reward 0;
+    g-refine has -1 (t3) and -1 (t4), reward -1; mean -0.5, advantages +0.5 and -0.5."""
+    def served(step: int, slot: int, version: int, generation: str, success: bool) -> TrajectoryCompleted:
+        episode = trajectory(step, "g", slot, success=success, guided=True)
+        return episode.model_copy(update={"retrieved": (
+            ExperienceRef(experience_id="x", version=version, generation_id=generation),)})
+
+    join = ExtractorJoin(canonical=True)
+    for generation in ("g-add", "g-refine"):
+        join.add_extraction(extraction(generation))
+    join.add_trajectory(served(1, 0, 1, "g-add", True))
+    join.add_trajectory(served(1, 1, 1, "g-add", False))
+    assert join.ready() == [str(join.generations[join.by_generation_id["g-add"]].event.event_id)], \
+        "the refine's generation has no outcome until its version is served"
+    join.add_trajectory(served(2, 0, 2, "g-refine", False))
+    join.add_trajectory(served(2, 1, 2, "g-refine", False))
+    batch = join.batch(step=1, size=2, alpha=0.5, delta=1)
+    assert batch is not None
+    rewards = dict(zip((join.generations[e].event.generation_id for e in batch.event_ids), batch.rewards, strict=True))
+    advantages = dict(zip((join.generations[e].event.generation_id for e in batch.event_ids), batch.advantages,
+                          strict=True))
+    assert rewards == {"g-add": 0.0, "g-refine": -1.0}
+    assert advantages == {"g-add": 0.5, "g-refine": -0.5}
+    assert batch.outcome_counts == (2, 2)
+    # An episode served two lessons of one generation credits it once; an evaluation episode credits nothing.
+    join.add_trajectory(trajectory(3, "h", 0, success=True, guided=True, served=("g-add", "g-add")))
+    join.add_trajectory(trajectory(3, "h", 1, success=True, guided=True, served=("g-refine",), split="eval"))
+    assert {g: len(o) for g, o in join.outcomes.items()} == {"g-add": 3, "g-refine": 2}

@@ -45,7 +45,7 @@ def test_every_arm_with_a_bank_starts_every_worker_kind_consumers_first(tmp_path
                     ("extractor", "extractor-0"), ("extractor", "extractor-1"), ("extractor", "extractor-2"),
                     ("actor_trainer", "actor_trainer-0"), ("rollout", "rollout-0"),
                     ("rollout", "rollout-1"), ("scheduler", "scheduler-0")]
-    for arm in ("static_extractor", "exp_only"):
+    for arm in ("static_extractor", "exp_only", "frozen"):
         assert [kind for kind, _ in worker_plan(_settings(tmp_path, arm))] == \
             ["archiver", "tracker", "bank", "extractor_trainer", "extractor", "actor_trainer", "rollout", "scheduler"]
 
