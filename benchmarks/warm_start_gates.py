@@ -24,12 +24,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, object]:
+def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, dict[str, Any]]:
     """Warm-start both trainers of `config` with model seeds offset by `seed` and `threads` threads; their gates."""
     from pipeline.rl.training import initial_policy
     from pipeline.rl.update import deterministic_torch
@@ -37,7 +38,7 @@ def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, object]
     from pipeline.settings import Settings
 
     settings = Settings(config=config)
-    result: dict[str, object] = {}
+    result: dict[str, dict[str, Any]] = {}
     for role in ("actor", "extractor"):
         trainer = settings.actor_trainer if role == "actor" else settings.extractor_trainer
         if trainer.warm_start.gate is None:
@@ -80,7 +81,7 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="warm-start-gates-") as scratch:
 
-        def measure(pair: tuple[int, int]) -> tuple[tuple[int, int], dict[str, dict[str, object]]]:
+        def measure(pair: tuple[int, int]) -> tuple[tuple[int, int], dict[str, dict[str, Any]]]:
             seed, threads = pair
             done = subprocess.run(
                 [sys.executable, __file__, "--config", str(args.config), "--one", str(seed), str(threads),
@@ -90,18 +91,17 @@ def main() -> None:
                 raise SystemExit(f"seed {seed}, {threads} threads failed:\n{done.stderr[-3000:]}")
             return pair, json.loads(done.stdout.strip().splitlines()[-1])
 
-        results = []
+        passed = total = 0
         for threads in args.threads:
             with ThreadPoolExecutor(max_workers=max(1, args.jobs // threads)) as pool:
-                results += list(pool.map(measure, [(seed, threads) for seed in seeds]))
-    passed = total = 0
-    for (seed, threads), roles in results:
-        for role, found in roles.items():
-            total += 1
-            passed += bool(found["passed"])
-            checks = ", ".join(f"{c['name'][4:]} {c['value']:.3f} ({c['samples']})" for c in found["gate"])
-            print(f"gate_{role}_s{seed}_t{threads}={'passed' if found['passed'] else 'MISSED'}  # {checks}; "
-                  f"{found['seconds']:.0f}s")
+                for (seed, threads_), roles in pool.map(measure, [(seed, threads) for seed in seeds]):
+                    for role, found in roles.items():
+                        total += 1
+                        passed += bool(found["passed"])
+                        checks = ", ".join(f"{c['name'][4:]} {c['value']:.3f} ({c['samples']})"
+                                           for c in found["gate"])
+                        print(f"gate_{role}_s{seed}_t{threads_}={'passed' if found['passed'] else 'MISSED'}  "
+                              f"# {checks}; {found['seconds']:.0f}s", flush=True)
     print(f"gates_passed={passed}/{total}")
     print(f"benchmark_s={time.monotonic() - started:.0f}")
     if passed < total:
