@@ -1,7 +1,7 @@
 """More rollout workers: `launch.rollout_workers: 2` starts two, and a third started by hand with `crl worker rollout`
-(as on another host: it needs only the run's config) joins their consumer group in the middle of the run, plays
-episodes, and leaves again (SIGTERM). The group rebalances twice; the run completes with every assignment played
-exactly once, nothing dead-lettered, and both replays matching."""
+(as on another host: it needs only the run's config) joins their consumer group while the run is under way, plays
+episodes, and leaves again (SIGTERM) with steps still to play. The group rebalances twice; the run completes with
+every assignment played exactly once, nothing dead-lettered, and both replays matching."""
 
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ def rebalanced_run(tmp_path_factory: pytest.TempPathFactory) -> RebalancedRun:
     extra_log = run_dir / "logs" / f"{EXTRA}.log"
     extra_exit, versions_at_leave = -1, -1
     try:
-        _wait(lambda: _actor_versions(run_dir) >= 1, "the actor's first step", process, 1800)
+        # It starts once the run launched its own workers, so its start (seconds of imports and a policy built) overlaps
+        # the warm starts and it joins with every step still to play, however fast the run is.
+        _wait(lambda: (run_dir / "logs" / "rollout-0.log").exists(), "the run's own rollout workers", process, 600)
         # A worker on "another host": the run's config, nothing else (no CRL_* variable, no supervisor).
         worker_env = {k: v for k, v in env.items() if not k.startswith("CRL_")}
         extra = subprocess.Popen([*CRL, "--config", str(run_dir / "config.yaml"), "worker", "rollout",
