@@ -94,13 +94,13 @@ def main() -> None:
         passed = total = 0
         for threads in args.threads:
             with ThreadPoolExecutor(max_workers=max(1, args.jobs // threads)) as pool:
-                for (seed, threads_), roles in pool.map(measure, [(seed, threads) for seed in seeds]):
+                for (seed, _), roles in pool.map(measure, [(seed, threads) for seed in seeds]):
                     for role, found in roles.items():
                         total += 1
                         passed += bool(found["passed"])
                         checks = ", ".join(f"{c['name'][4:]} {c['value']:.3f} ({c['samples']})"
                                            for c in found["gate"])
-                        print(f"gate_{role}_s{seed}_t{threads_}={'passed' if found['passed'] else 'MISSED'}  "
+                        print(f"gate_{role}_s{seed}_t{threads}={'passed' if found['passed'] else 'MISSED'}  "
                               f"# {checks}; {found['seconds']:.0f}s", flush=True)
     print(f"gates_passed={passed}/{total}")
     print(f"benchmark_s={time.monotonic() - started:.0f}")

@@ -80,7 +80,8 @@ def rebalanced_run(tmp_path_factory: pytest.TempPathFactory) -> RebalancedRun:
         try:
             _wait(lambda: extra_log.exists() and "partitions assigned: [('crl.tasks'" in extra_log.read_text(),
                   "the extra worker's partitions", process, 300)
-            _wait(lambda: _played_by(run_dir, EXTRA) > 0, "an episode of the extra worker", process, 600)
+            # it joined before the warm starts ended: its first episode waits for them (minutes when computed)
+            _wait(lambda: _played_by(run_dir, EXTRA) > 0, "an episode of the extra worker", process, 1800)
             versions_at_leave = _actor_versions(run_dir)
             extra.send_signal(signal.SIGTERM)  # leaves the group: its partitions go back to the other two
             extra_exit = extra.wait(timeout=120)
