@@ -15,7 +15,7 @@ from infra import kafka_io_loop
 
 
 def _resolved_off_the_loop(run, value: object) -> tuple[bool, object]:
-    """A coroutine on the IO thread awaits a future another thread resolves 0.2 s later: (finished, value)."""
+    """A coroutine on the IO thread awaits a future another thread resolves 0.2 s after: (finished, value)."""
     net = NetworkSelector(client_id="io-loop-test")
     net.start()
     future = Future()
@@ -23,8 +23,17 @@ def _resolved_off_the_loop(run, value: object) -> tuple[bool, object]:
     async def waits():
         return await future
 
+    def resolve_once_awaited() -> None:
+        # Resolve only once the loop's task has hooked itself onto the future and had time to go back to `select`:
+        # a future resolved before the coroutine awaits it never shows the missed wake-up, however loaded the machine.
+        deadline = time.monotonic() + 30.0
+        while not future._callbacks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        future.success(value)
+
     got: list[object] = []
-    threading.Timer(0.2, lambda: future.success(value)).start()
+    threading.Thread(target=resolve_once_awaited, daemon=True).start()
     caller = threading.Thread(target=lambda: got.append(run(net, waits)), daemon=True)
     caller.start()
     caller.join(3.0)
