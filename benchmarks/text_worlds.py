@@ -29,7 +29,7 @@ import torch
 
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.settings import RolloutSettings
-from pipeline.envs.random_play import random_play
+from pipeline.envs.random_play import Policy, random_play
 from pipeline.envs.registry import env_spec, make_env, task_pool
 from pipeline.envs.settings import EnvSettings
 from pipeline.models.settings import ModelSettings, TinyModelSettings
@@ -113,8 +113,9 @@ def main() -> None:
         print(f"{family}_env_steps_per_s={rate:.0f}")
         print(f"{family}_reset_s={reset_s:.4f}")
         seeds = task_pool(env_id, "eval", tasks, 0)
-        for name, solver in (("random", False), ("solver", True)):
-            found = random_play(env_id, settings, max_turns=spec.max_turns, seeds=seeds, solver=solver)
+        policies: tuple[Policy, ...] = ("random", "solver")
+        for name in policies:
+            found = random_play(env_id, settings, max_turns=spec.max_turns, seeds=seeds, policy=name)
             low, high = found.interval()
             print(f"{family}_{name}_success={found.rate:.3f}  # {found.successes}/{found.episodes} at "
                   f"{spec.max_turns} turns, 95% [{low:.3f}, {high:.3f}]")

@@ -74,21 +74,25 @@ def envs_random_play(
         min=1, help="Turn limit; default: each task's limit in the config (or the env's own).")] = None,
 ) -> None:
     """How often uniformly random actions solve each task of the config's mixture at its turn limit, on an eval
-    pool of `--episodes` tasks (Wilson 95% interval): the floor a policy's success must clear to show skill; and how
-    often the scripted solver the warm start imitates does (a random action where it has none)."""
+    pool of `--episodes` tasks (Wilson 95% interval): the floor a policy's success must clear to show skill; how
+    often the scripted solver the warm start imitates does (a random action where it has none); the same solver
+    knowing only what the episode showed (memoryless); and, where one rule holds across tasks, its follower."""
     from pipeline.envs.random_play import random_play
     from pipeline.envs.registry import env_spec, task_pool
 
     settings = current_settings().envs
     table = Table("env id", "task family", "max turns", "episodes", "random success", "95% interval", "turns/ep",
-                  "solver success")
+                  "solver success", "memoryless success", "rule-follower success")
     for task in settings.tasks:
         spec = env_spec(task.env_id)
         turns = max_turns or task.max_turns or spec.max_turns
         seeds = task_pool(task.env_id, "eval", episodes, settings.seed)
         found = random_play(task.env_id, settings, max_turns=turns, seeds=seeds, rng_seed=settings.seed)
         low, high = found.interval()
-        solved = random_play(task.env_id, settings, max_turns=turns, seeds=seeds, rng_seed=settings.seed, solver=True)
+        others = {policy: random_play(task.env_id, settings, max_turns=turns, seeds=seeds, rng_seed=settings.seed,
+                                      policy=policy).rate
+                  for policy in ("solver", "memoryless", "rule") if policy != "rule" or spec.rule}
         table.add_row(task.env_id, spec.task_family, str(turns), str(found.episodes), f"{found.rate:.3f}",
-                      f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}", f"{solved.rate:.3f}")
+                      f"{low:.3f}-{high:.3f}", f"{found.mean_turns:.1f}", f"{others['solver']:.3f}",
+                      f"{others['memoryless']:.3f}", f"{others['rule']:.3f}" if "rule" in others else "-")
     console.print(table)

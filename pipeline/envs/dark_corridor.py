@@ -22,12 +22,16 @@ in one episode holds in the next; its level description language lets a task see
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.envs.base import ActResult, InvalidActionRule, TextEnv
 from pipeline.envs.minihack import ACTION_WORDS, NLE_STEP_LIMIT, NLE_TASK_SUCCESSFUL, MiniHackEnv, nle_seeds
 from pipeline.errors import EnvUnavailableError
+
+if TYPE_CHECKING:  # gymnasium loads with minihack, on first use
+    from gymnasium import Env
 
 HALF_LENGTH = 8
 """Squares on each side of the start."""
@@ -77,8 +81,11 @@ class DarkCorridorEnv(MiniHackEnv):
         self.env_id = "MiniHack-DarkCorridor-v0"
         self.task_family = "minihack-dark-corridor"
         self.kind = "corridor"
-        self._levels: dict[int, object] = {}
+        self._levels: dict[int, Env[Any, Any]] = {}
         """Offset -> its gymnasium env (eight layouts in all, each built once)."""
+        self._init_play_state()
+
+    def _init_play_state(self) -> None:
         self._actions = tuple(ACTION_WORDS[name] for name in ("N", "E", "S", "W", "NE", "SE", "SW", "NW"))
         self._index = {word: i for i, word in enumerate(self._actions)}
         self._last: dict[str, np.ndarray] = {}
@@ -88,7 +95,7 @@ class DarkCorridorEnv(MiniHackEnv):
         self._explored = {-1: 0, 1: 0}
         """Side -> farthest square from the start the agent stood on."""
 
-    def _level(self, offset: int):  # type: ignore[no-untyped-def]  # a gymnasium env
+    def _level(self, offset: int) -> Env[Any, Any]:
         if offset not in self._levels:
             import gymnasium as gym
 
@@ -99,8 +106,13 @@ class DarkCorridorEnv(MiniHackEnv):
         return self._levels[offset]
 
     def _reset(self, seed: int) -> tuple[str, str]:
-        name, self._offset = corridor_of(seed)
-        self._env = self._level(self._offset)
+        name, offset = corridor_of(seed)
+        return self._start_corridor(seed, name, offset, self._level(offset))
+
+    def _start_corridor(self, seed: int, name: str, offset: int, level: Env[Any, Any]) -> tuple[str, str]:
+        """Start the episode of `seed` in `level`, a corridor called `name` with its stairs at `offset`."""
+        self._offset = offset
+        self._env = level
         core, disp = nle_seeds(seed)
         self._env.unwrapped.seed(core, disp, reseed=False)  # type: ignore[attr-defined]  # NLE's own seed
         self._last, _ = self._env.reset()
@@ -165,5 +177,5 @@ class DarkCorridorEnv(MiniHackEnv):
 
     def close(self) -> None:
         for env in self._levels.values():
-            env.close()  # type: ignore[attr-defined]
+            env.close()
         self._levels.clear()

@@ -11,9 +11,12 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from pipeline.envs.registry import make_env
+from pipeline.envs.base import TextEnv
+from pipeline.envs.registry import env_spec, make_env
 from pipeline.envs.settings import EnvSettings
+from pipeline.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,20 @@ class RandomPlay:
         return max(0.0, centre - half), min(1.0, centre + half)
 
 
+Policy = Literal["random", "solver", "memoryless", "rule"]
+
+
 def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Sequence[int],
-                rng_seed: int = 0, solver: bool = False) -> RandomPlay:
+                rng_seed: int = 0, policy: Policy = "random") -> RandomPlay:
     """Play one episode per task seed, each turn a uniformly random available action (drawn from a stream seeded by
-    `rng_seed` and the task seed, so the figure is reproducible). With `solver`, the scripted solver plays instead
-    (`TextEnv.expert_action`; a random action where it has none): the warm start's teacher."""
+    `rng_seed` and the task seed, so the figure is reproducible). Other policies (a random action wherever they
+    have none):
+    - `solver`: the scripted solver, which knows the layout (`TextEnv.expert_action`): the warm
+      start's teacher;
+    - `memoryless`: the solver knowing only what the episode has shown (`TextEnv.uninformed_actions`, one drawn);
+    - `rule`: the rule-follower of a family with a rule across tasks (signpost corridors' `rule_action`)."""
+    if policy == "rule" and not env_spec(env_id).rule:
+        raise ConfigError(f"{env_id} has no rule across tasks to follow; the rule-follower plays signpost corridors")
     env = make_env(env_id, settings, max_turns=max_turns)
     successes = turns = 0
     try:
@@ -53,8 +65,7 @@ def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Se
             env.reset(seed)
             actions = env.available_actions()
             while True:
-                expert = env.expert_action() if solver else None
-                outcome = env.step(expert if expert is not None else rng.choice(actions))
+                outcome = env.step(_choose(env, policy, rng, actions))
                 turns += 1
                 actions = outcome.info.available_actions or actions
                 if outcome.done:
@@ -63,6 +74,18 @@ def random_play(env_id: str, settings: EnvSettings, *, max_turns: int, seeds: Se
     finally:
         env.close()
     return RandomPlay(env_id, max_turns, len(seeds), successes, turns / len(seeds) if seeds else 0.0)
+
+
+def _choose(env: TextEnv, policy: Policy, rng: random.Random, actions: tuple[str, ...]) -> str:
+    chosen: str | None = None
+    if policy == "solver":
+        chosen = env.expert_action()
+    elif policy == "memoryless":
+        guesses = env.uninformed_actions()
+        chosen = rng.choice(guesses) if guesses else None
+    elif policy == "rule":
+        chosen = env.rule_action()  # type: ignore[attr-defined]  # checked in random_play
+    return chosen if chosen is not None else rng.choice(actions)
 
 
 def corpus_texts(env_ids: Sequence[str], episodes: int, seed: int) -> list[str]:

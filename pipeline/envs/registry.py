@@ -38,6 +38,8 @@ class EnvSpec:
     kinds: int = 1
     engine: str | None = None
     """The Java engine it runs on (`pipeline.envs.jvm.ENGINES`), where it has one: it needs Java and that package."""
+    rule: bool = False
+    """Whether one rule holds across the family's tasks (signpost corridors): its env's `rule_action` follows it."""
 
 
 def _minihack(env_id: str, family: str, kind: str) -> Callable[[EnvSettings, int, Split], TextEnv]:
@@ -60,6 +62,21 @@ def _corridor_key(seed: int) -> tuple[Hashable, Hashable]:
 
     name, offset = corridor_of(seed)
     return name, offset > 0
+
+
+def _signpost_corridor(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
+    from pipeline.envs.signpost_corridor import SignpostCorridorEnv, run_landmark
+
+    return SignpostCorridorEnv(landmark=run_landmark(settings.signpost.landmark, settings.seed),
+                               flip_unseen=settings.signpost.flip_unseen, max_turns=max_turns,
+                               invalid_action=settings.invalid_action)
+
+
+def _signpost_key(seed: int) -> tuple[Hashable, Hashable]:
+    from pipeline.envs.signpost_corridor import signpost_task
+
+    task = signpost_task(seed, None)
+    return task.name, task.offset > 0
 
 
 def _sokoban(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
@@ -126,6 +143,8 @@ _SPECS = [
     EnvSpec("MiniHack-River-Narrow-v0", "minihack-river", 30,
             _minihack("MiniHack-River-Narrow-v0", "minihack-river", "river"), True),
     EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True, _corridor_key, kinds=2),
+    EnvSpec("MiniHack-SignpostCorridor-v0", "minihack-signpost-corridor", 9, _signpost_corridor, True,
+            _signpost_key, kinds=2, rule=True),
     EnvSpec("Sokoban-6x6-2box", "sokoban", 30, _sokoban, True),
     EnvSpec("TWX-CookingWorld", "twx-cookingworld", 30, _twx("cookingworld"), True, _twx_key,
             engine="textworld-express"),

@@ -61,6 +61,22 @@ class TextWorldSettings(BaseModel):
         "usually ends it first.")
 
 
+class SignpostSettings(BaseModel):
+    """Signpost corridors (`MiniHack-SignpostCorridor-v0`, `CRL_ENVS__SIGNPOST__*`): which furnishing marks the
+    stairs' side, and the flipped-rule control."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    landmark: Literal["altar", "fountain", "sink", "grave", "per-run", "per-task"] = Field(
+        default="per-run",
+        description="The furnishing that stands on the stairs' side in every corridor of the run; 'per-run' draws "
+        "it from `envs.seed`; 'per-task' draws one per corridor, so no rule holds across corridors (a control).")
+    flip_unseen: bool = Field(
+        default=False,
+        description="A control: on unseen corridors (eval pools) the signpost stands on the side away from the "
+        "stairs, so a lesson stating the run's rule leads the wrong way there.")
+
+
 class EnvSettings(BaseModel):
     """What a run plays and how its environments are built: the task mixture, the task pools, and per-environment
     options. Environment: `CRL_ENVS__<FIELD>`."""
@@ -96,6 +112,8 @@ class EnvSettings(BaseModel):
     webshop_num_products: int = Field(default=1000, gt=0, description="WebShop catalogue size (paper: 1,000).")
     swebench_instances: Path | None = Field(
         default=None, description="SWE-Bench Verified instances as a local JSON list; required by that env.")
+    signpost: SignpostSettings = Field(
+        default_factory=SignpostSettings, description="Signpost corridors: the run's rule and its flipped control.")
     text_worlds: TextWorldSettings = Field(
         default_factory=TextWorldSettings,
         description="TextWorldExpress (CookingWorld, TextWorld Commonsense, Coin Collector) and ScienceWorld.")
