@@ -66,7 +66,9 @@ class ExperienceMerged(Event):
     experience_id: Id = Field(description="Id of the new, merged experience.")
     task_family: Id
     text: str = Field(min_length=1, max_length=MAX_EXPERIENCE_CHARS)
-    key: EmbeddingVector = Field(description="Embedding of the merged text (merged entries are keyed by their text).")
+    key: EmbeddingVector = Field(
+        description="Its retrieval key: the normalised mean of its sources' keys, or the embedding of its text "
+        "(`extractor.merged_key`).")
     sources: tuple[VersionedExperience, ...] = Field(min_length=2)
     generation_id: Id
     extractor_version: NonNegativeInt

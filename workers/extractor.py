@@ -20,8 +20,8 @@ reason `capacity`), first in, first out.
 Merging (`MergeRequested` on `crl.control`, one partition, so one instance of the group merges): the replica first
 reads the op log to its end (read your writes); then per task family the active experiences go to the model in
 chunks of `merge_chunk`, the newest experience a chunk produced sliding into the next chunk; `merge` gives
-`ExperienceMerged` (keyed by the embedding of its text), `discard` gives `ExperienceRetired`, `rewrite` gives
-`ExperienceRefined`.
+`ExperienceMerged` (keyed by its sources' mean key, or by its text: `extractor.merged_key`), `discard` gives
+`ExperienceRetired`, `rewrite` gives `ExperienceRefined`.
 
 Policy versions: `crl.policy` is followed for the extractor role; a newer version is loaded (sha256 checked)
 between batches. Until version 0 is published the worker holds what it receives (and commits no position past it).
@@ -52,7 +52,15 @@ from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.replica import BankReplica
 from pipeline.bank.retrieval import query_text
 from pipeline.errors import InvalidStateError, ParseError
-from pipeline.extractor.ops import OpAuthor, Shown, distill_ops, eviction_ops, generation_record, merge_ops
+from pipeline.extractor.ops import (
+    OpAuthor,
+    Shown,
+    distill_ops,
+    eviction_ops,
+    generation_record,
+    merge_ops,
+    merged_key,
+)
 from pipeline.extractor.protocol import (
     ANSWER_STOP,
     EXTRACTOR_SYSTEM,
@@ -405,7 +413,7 @@ class Extractor(Worker):
         started = time.perf_counter()
         generations = 0
         for family in request.task_families:
-            queue = [Shown(e.experience_id, e.version, e.generation_id, e.text)
+            queue = [Shown(e.experience_id, e.version, e.generation_id, e.text, e.key)
                      for e in self.replica.active_experiences(family)]
             carry: Shown | None = None
             chunk = 0
@@ -432,7 +440,12 @@ class Extractor(Worker):
             parsed = parse_merge(generation.text, len(members), max_chars=self.settings.max_experience_chars)
         except ParseError as exc:
             parsed, error = [], str(exc)
-        keys = self._keys([op.text or "" for op in parsed if op.op == "merge"])
+        merges = [op for op in parsed if op.op == "merge"]
+        if self.settings.merged_key == "sources":
+            keys = [merged_key(self.embedding_model, [members[alias - 1].key for alias in op.aliases])
+                    for op in merges]
+        else:
+            keys = self._keys([op.text or "" for op in merges])
         ops, carry = merge_ops(self._author(), generation_id, family, members, parsed, keys)
         self._publish(io, generation_record(self._author(), generation_id, "merge", family, request.step, (), members,
                                             generation, error, ops), ops)

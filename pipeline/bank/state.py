@@ -95,7 +95,7 @@ class Experience:
     task_family: str
     text: str
     key: np.ndarray = field(repr=False)
-    """Key vector, float16, read-only (the embedding of the source query, or of the merged text)."""
+    """Key vector, float16, read-only (the embedding of the source query; for a merge, as its op gave it)."""
     version: int
     status: Status
     generation_id: str

@@ -11,9 +11,10 @@ yields the same events, which the bank and the extractor trainer treat as duplic
 
 - distillation: `add` -> `ExperienceAdded` keyed by the trajectory's query embedding; `refine` of alias n ->
   `ExperienceRefined` expecting the version of the n-th experience shown.
-- merging: `merge` -> `ExperienceMerged` of the named members (a new experience, version 1, keyed by its text);
-  `rewrite` -> `ExperienceRefined`; `discard` -> `ExperienceRetired` (reason `merge_discard`); `keep` -> nothing.
-  The newest experience a chunk produced is what slides into the next chunk.
+- merging: `merge` -> `ExperienceMerged` of the named members (a new experience, version 1, keyed by the
+  normalised mean of its sources' keys, `merged_key`, or by its text's embedding); `rewrite` -> `ExperienceRefined`
+  (its key kept); `discard` -> `ExperienceRetired` (reason `merge_discard`); `keep` -> nothing. The newest
+  experience a chunk produced is what slides into the next chunk, with its key.
 - capacity: the oldest active experiences beyond the capacity are retired (reason `capacity`), first in, first out.
 """
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+import numpy as np
 
 from pipeline.errors import InvalidArgumentError
 from pipeline.extractor.protocol import (
@@ -62,6 +65,8 @@ class Shown:
     version: int
     generation_id: str
     text: str
+    key: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Its retrieval key (unit float vector), where a merge keyed by its sources needs it."""
 
     def ref(self) -> ExperienceRef:
         return ExperienceRef(experience_id=self.experience_id, version=self.version, generation_id=self.generation_id)
@@ -101,10 +106,23 @@ def distill_ops(author: OpAuthor, generation_id: str, trajectory: TrajectoryComp
     return ops
 
 
+def merged_key(model: str, sources: Sequence[np.ndarray | None]) -> EmbeddingVector:
+    """The key of an experience merged from `sources` (their unit keys): their mean, renormalised. Its cosine to each
+    source key is at least that of any two sources, so a query that found a source finds the merge about as well;
+    two identical keys give that key back."""
+    if not sources or any(source is None for source in sources):
+        raise InvalidArgumentError("a merge keyed by its sources needs every source's key")
+    mean = np.mean([np.asarray(source, dtype=np.float64) for source in sources], axis=0)
+    norm = float(np.linalg.norm(mean))
+    if norm == 0.0:
+        raise InvalidArgumentError("the sources' keys cancel out: a merge of opposite keys has no direction")
+    return EmbeddingVector.from_array(model, (mean / norm).astype(np.float32))
+
+
 def merge_ops(author: OpAuthor, generation_id: str, task_family: str, members: Sequence[Shown],
               parsed: Sequence[MergeOp], keys: Sequence[EmbeddingVector]) -> tuple[list[Event], Shown | None]:
-    """The ops of one merge answer over `members`, and what slides into the next chunk. `keys` holds the embedding
-    of each `merge` op's text, in order."""
+    """The ops of one merge answer over `members`, and what slides into the next chunk. `keys` holds the key of
+    each `merge` op, in order (`merged_key` of its members, or its text's embedding)."""
     merges = [op for op in parsed if op.op == "merge"]
     if len(keys) != len(merges):
         raise InvalidArgumentError(f"{generation_id}: {len(merges)} merges need as many keys, got {len(keys)}")
@@ -116,16 +134,17 @@ def merge_ops(author: OpAuthor, generation_id: str, task_family: str, members: S
         common = author.op_fields(generation_id, index)
         if op.op == "merge":
             experience_id = new_experience_id(generation_id, index)
+            key = next(next_key)
             ops.append(ExperienceMerged(
-                **common, experience_id=experience_id, task_family=task_family, text=op.text, key=next(next_key),
+                **common, experience_id=experience_id, task_family=task_family, text=op.text, key=key,
                 sources=tuple(VersionedExperience(experience_id=m.experience_id, expected_version=m.version)
                               for m in chosen)))
-            carry = Shown(experience_id, 1, generation_id, op.text or "")
+            carry = Shown(experience_id, 1, generation_id, op.text or "", key.to_numpy())
         elif op.op == "rewrite":
             target = chosen[0]
             ops.append(ExperienceRefined(**common, experience_id=target.experience_id,
                                          expected_version=target.version, text=op.text))
-            carry = Shown(target.experience_id, target.version + 1, generation_id, op.text or "")
+            carry = Shown(target.experience_id, target.version + 1, generation_id, op.text or "", target.key)
         elif op.op == "discard":
             ops.append(ExperienceRetired(**common, experience_id=chosen[0].experience_id,
                                          expected_version=chosen[0].version, reason="merge_discard"))

@@ -25,6 +25,11 @@ class ExtractorSettings(BaseModel):
     max_experience_chars: int = Field(default=400, gt=0, le=4000, description="Longest experience text accepted.")
     max_actions_shown: int = Field(default=40, gt=0, description="Actions of the trajectory listed in the prompt.")
     merge_chunk: int = Field(default=5, ge=2, description="Experiences per merge prompt (paper: 5).")
+    merged_key: Literal["sources", "text"] = Field(
+        default="sources",
+        description="The retrieval key of a merged experience: 'sources', the normalised mean of its sources' keys "
+        "(each the query of the episode it came from), so the queries that found the sources still find the "
+        "merge; 'text', the embedding of the merged text, which no episode's query resembles.")
     capacity: int = Field(
         default=20_000, gt=0, description="Active experiences kept; beyond it the oldest are retired (FIFO).")
     replica_wait_s: float = Field(

@@ -456,3 +456,37 @@ def test_below_the_similarity_floor_nothing_is_served():
     # within the margin of A (0.15) lies B (0.894), but below the floor: A is served every time, B never
     floor = abc_retriever(similarity_margin=0.15, min_similarity=0.9)
     assert [r.experiences[0].experience_id for r in floor.retrieve_many([("q", "room")] * 3)] == ["A"] * 3
+
+
+def test_a_merge_keyed_by_its_sources_is_found_by_their_queries_where_one_keyed_by_its_text_is_not() -> None:
+    from pipeline.bank.embeddings import load_sentence_encoder
+    from pipeline.extractor.ops import merged_key
+    from schemas.experiences import ExperienceMerged, VersionedExperience
+
+    encoder = load_sentence_encoder(MODEL)
+    corridors = [query_text(f"reach the staircase down (>) of the {name} corridor", f"Where: {where}")
+                 for name, where in (("amber heron", "altar 1 west; sink 1 east"),
+                                     ("pale newt", "altar 1 east; grave 1 west"),
+                                     ("copper lynx", "fountain 1 west; altar 1 east"))]
+    other = query_text("push every boulder onto a target", "Boulders and targets in a small warehouse.")
+    keys = encoder.encode([*corridors, other], convert_to_numpy=True, normalize_embeddings=True)
+    lesson = "The staircase down is on the altar's side."
+    text_key = encoder.encode([lesson], convert_to_numpy=True, normalize_embeddings=True)[0]
+    ops: list = [added("op-a", "a", keys[0], family="corridor"), added("op-b", "b", keys[1], family="corridor"),
+                 added("op-w", "warehouse", keys[3], family="corridor")]
+
+    def merged(key: EmbeddingVector) -> ExperienceMerged:
+        return ExperienceMerged(
+            run_id="r", producer=WHO, op_id="op-m", experience_id="m", task_family="corridor", text=lesson, key=key,
+            generation_id="gen-m", extractor_version=0,
+            sources=(VersionedExperience(experience_id="a", expected_version=1),
+                     VersionedExperience(experience_id="b", expected_version=1)))
+
+    by_sources = merged(merged_key(MODEL, [keys[0], keys[1]]))
+    by_text = merged(EmbeddingVector.from_array(MODEL, text_key))
+    for query in corridors:  # the sources' own corridors and a third, unseen one
+        vector = encoder.encode([query], convert_to_numpy=True, normalize_embeddings=True)[0]
+        found = dict(brute_force(bank_of([*ops, by_sources]), vector, "corridor", 2))
+        assert next(iter(found)) == "m", "the merge is the nearest lesson to every corridor's query"
+        text_found = dict(brute_force(bank_of([*ops, by_text]), vector, "corridor", 2))
+        assert found["m"] > text_found.get("m", -1.0) + 0.1, "keyed by its text, the merge is far from any query"

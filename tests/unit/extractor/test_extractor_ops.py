@@ -3,6 +3,7 @@ ids, expected versions and keys, what slides into the next merge chunk, FIFO evi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pipeline.extractor.ops import (
@@ -13,6 +14,7 @@ from pipeline.extractor.ops import (
     generation_event_id,
     generation_record,
     merge_ops,
+    merged_key,
 )
 from pipeline.extractor.protocol import DistillOp, MergeOp
 from pipeline.models.base import Generation
@@ -76,6 +78,25 @@ def test_merge_ops_name_their_sources_and_the_newest_result_slides_on():
     assert carry is None
     with pytest.raises(ValueError, match="1 merges need as many keys"):
         merge_ops(AUTHOR, "g", "f", members, parsed, [])
+
+
+def test_a_merge_is_keyed_by_its_sources_mean_key_and_its_carry_keeps_that_key():
+    # (1, 0) and (0, 1): mean (0.5, 0.5), norm sqrt(0.5), key (0.7071, 0.7071); cosine 0.7071 to either source.
+    a, b = np.array([1.0, 0.0], dtype=np.float16), np.array([0.0, 1.0], dtype=np.float16)
+    key = merged_key("m", [a, b])
+    assert (key.model, key.dim) == ("m", 2) and key.to_numpy() == pytest.approx([0.70711, 0.70711], abs=1e-3)
+    assert merged_key("m", [a, a]).to_numpy() == pytest.approx([1.0, 0.0]), "identical sources: their key"
+    # three sources (1,0), (1,0), (0,1): mean (2/3, 1/3), norm sqrt(5)/3, key (2/sqrt5, 1/sqrt5) = (0.8944, 0.4472)
+    assert merged_key("m", [a, a, b]).to_numpy() == pytest.approx([0.89443, 0.44721], abs=1e-3)
+    with pytest.raises(ValueError, match="every source's key"):
+        merged_key("m", [a, None])
+    with pytest.raises(ValueError, match="cancel out"):
+        merged_key("m", [a, -a])
+    members = [Shown("e-a", 2, "g-a", "Go east.", a), Shown("e-b", 1, "g-b", "Go north.", b)]
+    _ops, carry = merge_ops(AUTHOR, "g", "f", members, [MergeOp("merge", (1, 2), "Go east or north.")], [key])
+    assert carry is not None and carry.key == pytest.approx(key.to_numpy())
+    _ops, carry = merge_ops(AUTHOR, "g", "f", members, [MergeOp("rewrite", (2,), "Go north twice.")], [])
+    assert carry is not None and carry.key is b, "a rewrite keeps its key"
 
 
 def test_evictions_retire_the_oldest_beyond_capacity_counting_pending_adds():
