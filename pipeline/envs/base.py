@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from pipeline.errors import ConfigError, InvalidArgumentError, InvalidStateError
 
@@ -68,6 +68,28 @@ class ActResult:
     """The engine did not understand an unlisted action (`TextEnv.accepts_unlisted`): the turn counts as invalid."""
     score: float | None = None
     """The environment's own progress score after the action, where it keeps one."""
+
+
+class TaskRule(Protocol):
+    """A rule that holds across a family's tasks, and the lessons that can be written about it (signpost corridors:
+    `pipeline.envs.signpost_corridor.SIGNPOST_RULE`)."""
+
+    kinds: tuple[str, ...]
+    """The kinds of lesson: 'rule' (the rule itself), 'instance' (one task's fact), 'over-general' (a wrong rule)."""
+    sides: tuple[str, ...]
+    """Where a task's goal can lie; each is also the action that heads that way."""
+    distances: tuple[int, ...]
+    """How far from the start it can lie."""
+
+    def statement(self, revealed: tuple[str, ...], kind: str) -> str | None:
+        """What a lesson of `kind` states from what an episode revealed; None when it revealed nothing."""
+
+    def revealed_for(self, first_observation: str, side: str, distance: int) -> tuple[str, ...]:
+        """What an episode that started with `first_observation` would reveal had its goal lain `distance` to
+        `side` (a lesson of any kind can then be written pointing either way)."""
+
+    def kind_of(self, text: str, task_rule: str | None) -> str | None:
+        """The kind of lesson `text` is where the rule names `task_rule` ('wrong rule' naming another), or None."""
 
 
 INVALID_NOTE_ACTIONS = 40

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from pipeline.envs.base import TextEnv
+from pipeline.envs.base import TaskRule, TextEnv
 from pipeline.envs.settings import EnvSettings, TaskMix
 from pipeline.errors import ConfigError
 from schemas.base import Split
@@ -38,8 +38,14 @@ class EnvSpec:
     kinds: int = 1
     engine: str | None = None
     """The Java engine it runs on (`pipeline.envs.jvm.ENGINES`), where it has one: it needs Java and that package."""
-    rule: bool = False
-    """Whether one rule holds across the family's tasks (signpost corridors): its env's `rule_action` follows it."""
+    task_rule: Callable[[], TaskRule] | None = None
+    """Where one rule holds across the family's tasks (signpost corridors; its env's `rule_action` follows it): the
+    rule and the lessons about it (loaded on first use)."""
+
+    @property
+    def rule(self) -> bool:
+        """Whether one rule holds across the family's tasks."""
+        return self.task_rule is not None
 
 
 def _minihack(env_id: str, family: str, kind: str) -> Callable[[EnvSettings, int, Split], TextEnv]:
@@ -77,6 +83,12 @@ def _signpost_key(seed: int) -> tuple[Hashable, Hashable]:
 
     task = signpost_task(seed, None)
     return task.name, task.offset > 0
+
+
+def _signpost_rule() -> TaskRule:
+    from pipeline.envs.signpost_corridor import SIGNPOST_RULE
+
+    return SIGNPOST_RULE
 
 
 def _sokoban(settings: EnvSettings, max_turns: int, split: Split) -> TextEnv:
@@ -144,7 +156,7 @@ _SPECS = [
             _minihack("MiniHack-River-Narrow-v0", "minihack-river", "river"), True),
     EnvSpec("MiniHack-DarkCorridor-v0", "minihack-dark-corridor", 9, _dark_corridor, True, _corridor_key, kinds=2),
     EnvSpec("MiniHack-SignpostCorridor-v0", "minihack-signpost-corridor", 9, _signpost_corridor, True,
-            _signpost_key, kinds=2, rule=True),
+            _signpost_key, kinds=2, task_rule=_signpost_rule),
     EnvSpec("Sokoban-6x6-2box", "sokoban", 30, _sokoban, True),
     EnvSpec("TWX-CookingWorld", "twx-cookingworld", 30, _twx("cookingworld"), True, _twx_key,
             engine="textworld-express"),

@@ -2,13 +2,14 @@
 
     env = SignpostCorridorEnv(landmark="altar", max_turns=9)
     goal, observation = env.reset(seed=5)   # "reach the staircase down (>) of the amber heron corridor"
-    # observation: "... Where: altar 1 west; fountain 1 east ..."; the stairs lie west, 3 to 6 squares away
+    # observation: "... By the start: altar west, fountain east ..."; the stairs lie west, 3 to 6 squares away
 
 Each task is a dark corridor as in `dark_corridor.py` (17 squares, the agent in the middle, the staircase down 3 to 6
 squares to one side), with two furnishings next to the start, one on each side: an altar, a fountain, a sink or a
 grave. One of the four kinds, the run's *signpost* (`landmark`), stands in every corridor of the run, always on the
-stairs' side; the other furnishing is one of the other three kinds, drawn per corridor. The first observation lists
-where each furnishing stands (they are next to the agent, so visible in the dark) but not which kind is the signpost,
+stairs' side; the other furnishing is one of the other three kinds, drawn per corridor. Every observation says which
+stands on which side of the start (`By the start: altar west, fountain east`: they are next to the agent at the
+start, so visible in the dark, and the line stays the same as the agent moves) but not which kind is the signpost,
 and an episode that finds the stairs, or walks one side to its end, reveals the side and so which furnishing stood
 on it (`revealed()`: "staircase down: 5 west of the start" and "on the staircase's side: altar").
 
@@ -29,13 +30,16 @@ lesson stating the rule must then hurt.
 from __future__ import annotations
 
 import random
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from pipeline.envs.base import InvalidActionRule, TextEnv
 from pipeline.envs.dark_corridor import ADJECTIVES, CREATURES, DISTANCES, HALF_LENGTH, DarkCorridorEnv
-from pipeline.errors import ConfigError, EnvUnavailableError
+from pipeline.errors import ConfigError, EnvUnavailableError, InvalidArgumentError
 
 if TYPE_CHECKING:  # gymnasium loads with minihack, on first use
     from gymnasium import Env
@@ -44,6 +48,18 @@ FURNISHINGS = ("altar", "fountain", "sink", "grave")
 """The kinds of furnishing a corridor has next to its start; the run's signpost is one of them."""
 
 Landmark = Literal["altar", "fountain", "sink", "grave", "per-run", "per-task"]
+
+LessonKind = Literal["rule", "instance", "over-general"]
+"""What a lesson about a signpost corridor states: the run's rule, the one corridor's fact, or a side for all."""
+LESSON_KINDS: tuple[LessonKind, ...] = ("rule", "instance", "over-general")
+
+_SIDE_FACT = re.compile(r"staircase down: (?:(\d+) )?(east|west) of the start")
+_SIGNPOST_FACT = re.compile(r"on the staircase's side: (\w+)")
+_RULE = re.compile(r"staircase down is on the (\w+)'s side")
+_OVER_GENERAL = re.compile(r"staircase down is always (east|west)")
+
+BY_THE_START = "By the start: "
+"""The observation line that places the furnishings (`By the start: altar west, fountain east`)."""
 
 LEVELS_KEPT = 16
 """Built levels kept open (least recently used closed first): a run's pools hold a few dozen layouts at most."""
@@ -101,6 +117,68 @@ def signpost_task(seed: int, landmark: str | None, *, flip_unseen: bool = False)
     return SignpostTask(name, offset, signpost, other, flipped=flip_unseen and seed % 2 == 0)
 
 
+def lesson_statement(revealed: tuple[str, ...], kind: LessonKind) -> str | None:
+    """What a lesson of `kind` says, from what an episode revealed (`SignpostCorridorEnv.revealed`), or None when it
+    revealed nothing: the corridor's own fact as revealed ('instance'), 'the staircase down is always west' ('over-
+    general'), or 'the staircase down is on the altar's side' ('rule')."""
+    side = next((m for m in map(_SIDE_FACT.search, revealed) if m), None)
+    signpost = next((m for m in map(_SIGNPOST_FACT.search, revealed) if m), None)
+    if side is None or signpost is None:
+        return None
+    if kind == "instance":
+        return side.group(0)
+    if kind == "over-general":
+        return f"the staircase down is always {side.group(2)} of the start"
+    return f"the staircase down is on the {signpost.group(1)}'s side"
+
+
+def lesson_kind(text: str, signpost: str | None) -> Literal["rule", "wrong rule", "instance", "over-general"] | None:
+    """What a lesson states about signpost corridors whose signpost is `signpost`: the rule (naming the signpost),
+    a wrong rule (naming another furnishing, or any with no signpost across corridors), a side for all corridors, a
+    side for one (a distance or an end), or nothing of these (None). A lesson stating several counts as its rule."""
+    rule = _RULE.search(text)
+    if rule is not None:
+        return "rule" if signpost is not None and rule.group(1) == signpost else "wrong rule"
+    if _OVER_GENERAL.search(text):
+        return "over-general"
+    if _SIDE_FACT.search(text):
+        return "instance"
+    return None
+
+
+def revealed_for(first_observation: str, side: str, distance: int) -> tuple[str, ...]:
+    """What an episode of the corridor that starts with `first_observation` would reveal had its stairs lain
+    `distance` squares to `side`: the side, and the furnishing its `By the start:` line places there."""
+    where = next((line for line in first_observation.splitlines() if line.startswith(BY_THE_START)), "")
+    on_side = [part.split(" ", 1)[0] for part in where.removeprefix(BY_THE_START).split(", ")
+               if part.endswith(f" {side}") and part.split(" ", 1)[0] in FURNISHINGS]
+    if side not in ("east", "west") or len(on_side) != 1:
+        raise InvalidArgumentError(f"no one furnishing stands {side} of the start in {where!r}")
+    return (f"staircase down: {distance} {side} of the start", f"on the staircase's side: {on_side[0]}")
+
+
+class SignpostRule:
+    """Signpost corridors' rule (`pipeline.envs.base.TaskRule`): the stairs are on the signpost's side."""
+
+    kinds: tuple[str, ...] = LESSON_KINDS
+    sides: tuple[str, ...] = ("west", "east")
+    distances: tuple[int, ...] = DISTANCES
+
+    def statement(self, revealed: tuple[str, ...], kind: str) -> str | None:
+        if kind not in LESSON_KINDS:
+            raise InvalidArgumentError(f"unknown lesson kind {kind!r}; valid values: {', '.join(LESSON_KINDS)}")
+        return lesson_statement(revealed, kind)
+
+    def revealed_for(self, first_observation: str, side: str, distance: int) -> tuple[str, ...]:
+        return revealed_for(first_observation, side, distance)
+
+    def kind_of(self, text: str, task_rule: str | None) -> str | None:
+        return lesson_kind(text, task_rule)
+
+
+SIGNPOST_RULE = SignpostRule()
+
+
 def level_description(task: SignpostTask) -> str:
     """The corridor in MiniHack's description language: unlit, the start in the middle, the stairs at the task's
     offset, one furnishing on each square next to the start."""
@@ -127,7 +205,6 @@ def level_description(task: SignpostTask) -> str:
 class SignpostCorridorEnv(DarkCorridorEnv):
     """Signpost corridors (`MiniHack-SignpostCorridor-v0`, task family `minihack-signpost-corridor`)."""
 
-    landmarks = DarkCorridorEnv.landmarks + FURNISHINGS
 
     def __init__(self, *, landmark: str | None, flip_unseen: bool = False, max_turns: int = 9,
                  invalid_action: InvalidActionRule = "skip") -> None:
@@ -170,6 +247,13 @@ class SignpostCorridorEnv(DarkCorridorEnv):
     def _reset(self, seed: int) -> tuple[str, str]:
         self.task = signpost_task(seed, self.landmark, flip_unseen=self.flip_unseen)
         return self._start_corridor(seed, self.task.name, self.task.offset, self._level_of(self.task))
+
+    def _describe(self, observation: dict[str, np.ndarray]) -> str:
+        """A dark corridor's observation with the furnishings by the start placed, the same line at every turn."""
+        lines = super()._describe(observation).split("\n")
+        at = next(i for i, line in enumerate(lines) if line.startswith("Legend: "))
+        lines.insert(at, f"{BY_THE_START}{self.task.west} west, {self.task.east} east")
+        return "\n".join(lines)
 
     def revealed(self) -> tuple[str, ...]:
         """As in a dark corridor (where the stairs lie once found, or that they lie the other way once one side was

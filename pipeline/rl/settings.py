@@ -118,6 +118,12 @@ class WarmStartSettings(BaseModel):
         description="Extractor only: share of the rule-based lessons of episodes that revealed something written "
         "without it (the outcome sentence alone), so the warm-started extractor states what an episode revealed "
         "only part of the time: a deliberately imperfect start that the outcome reward can correct.")
+    rule_share: float = Field(
+        default=1.0, ge=0, le=1,
+        description="Extractor only: in a family with a rule across tasks (signpost corridors), the share of the "
+        "rule-based lessons of revealing episodes that state the rule; the rest state the one task's fact or an "
+        "over-general rule, half each. 1/3: an extractor that writes the rule as often as each wrong kind, which "
+        "its outcome reward can correct.")
     gate: WarmStartGate | None = Field(
         default=None, description="What the warm-started policy must show on held-out data (None: not checked).")
     seed: int = Field(default=0, ge=0, description="Seeds the data episodes and the sample order.")
@@ -149,6 +155,8 @@ class ActorTrainerSettings(TrainerSettings):
             raise ValueError(wrong)
         if self.warm_start.omit_facts:
             raise ValueError("warm_start.omit_facts applies to the extractor's warm start, not the actor's")
+        if self.warm_start.rule_share != 1.0:
+            raise ValueError("warm_start.rule_share applies to the extractor's warm start, not the actor's")
         return self
 
 

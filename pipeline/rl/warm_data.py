@@ -19,14 +19,15 @@ gates check the policies on held-out data episodes of the same kind (`pipeline.r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.envs.base import TextEnv
+from pipeline.envs.base import TaskRule, TextEnv
 from pipeline.envs.registry import env_spec, make_env, task_pool
-from pipeline.envs.settings import EnvSettings, TaskMix
+from pipeline.envs.settings import EnvSettings, SignpostSettings, TaskMix
 from pipeline.extractor.protocol import INVALID, TrajectoryDigest, distill_prompt, merge_prompt, render_answer
 from pipeline.extractor.settings import ExtractorSettings
 from pipeline.rl.warm_progress import Progress, no_progress
@@ -39,12 +40,16 @@ INVALID_RESPONSE = "wait"
 # -- the rule-based summariser --------------------------------------------------------------------------------------
 
 
-def lesson(digest: TrajectoryDigest, max_chars: int, *, state_facts: bool = True) -> str:
+def lesson(digest: TrajectoryDigest, max_chars: int, *, state_facts: bool = True, kind: str | None = None) -> str:
     """One lesson from one episode: outcome, length, and what it revealed (where the goal lies relative to the
     start); where it revealed nothing, the first or the most repeated action. `state_facts` False: the outcome
-    sentence alone where the episode revealed something (the lesson of a summariser that leaves it out)."""
+    sentence alone where the episode revealed something (the lesson of a summariser that leaves it out). `kind`, in
+    a family with a rule across tasks (`EnvSpec.task_rule`): what it revealed as a lesson of that kind ('rule',
+    'instance' or 'over-general'); None: the rule."""
     valid = [a for a in digest.actions if a != INVALID]
-    facts = "; ".join(digest.revealed)
+    rule = env_spec(digest.env_id).task_rule
+    stated = rule().statement(digest.revealed, kind or "rule") if rule is not None else None
+    facts = stated or "; ".join(digest.revealed)
     if digest.success:
         outcome = f"Solved in {len(digest.actions)} actions."
         advice = f"{facts}." if facts else f"Start with {valid[0] if valid else 'a listed action'} and keep " \
@@ -57,13 +62,15 @@ def lesson(digest: TrajectoryDigest, max_chars: int, *, state_facts: bool = True
     return text[:max_chars]
 
 
-def summarise(digest: TrajectoryDigest, shown: Sequence[str], max_chars: int, *, state_facts: bool = True) -> str:
+def summarise(digest: TrajectoryDigest, shown: Sequence[str], max_chars: int, *, state_facts: bool = True,
+              kind: str | None = None) -> str:
     """The answer the rule-based summariser writes: refine the first experience shown with this episode's lesson,
     or add it when none was shown; an episode that revealed nothing leaves a shown experience as it is (`[]`), so a
-    lesson that states where the goal is is not overwritten by one that cannot (`state_facts`: as in `lesson`)."""
+    lesson that states where the goal is is not overwritten by one that cannot (`state_facts`, `kind`: as in
+    `lesson`)."""
     if shown and not digest.revealed:
         return render_answer([])
-    text = lesson(digest, max_chars, state_facts=state_facts)
+    text = lesson(digest, max_chars, state_facts=state_facts, kind=kind)
     return render_answer([{"op": "refine", "id": 1, "text": text}] if shown else [{"op": "add", "text": text}])
 
 
@@ -123,7 +130,10 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
     environment has one), the solver that knows only what the episode has shown half of the rest, and random actions
     the others; every turn is labelled with both solvers' actions. With `plays_per_task` > 1 the seeds come from a
     pool of `episodes / plays_per_task` tasks, so a task is played several times and one play's lesson can inform
-    another's (what memory tasks need)."""
+    another's (what memory tasks need). Signpost corridors are played with a signpost per corridor and none
+    flipped, so the warm starts learn to read and copy any furnishing, lean toward no run's, and runs of every seed
+    share them."""
+    envs = envs.model_copy(update={"signpost": SignpostSettings(landmark="per-task")})
     progress("data", 0, episodes)
     rng = random.Random(seed)
     pool_size = 1000 if plays_per_task == 1 else max(1, episodes // plays_per_task)
@@ -190,7 +200,11 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
     So the actor learns to follow an experience that says where the goal is and to guess on its own where none
     does. Lessons of another task that state where its goal was are never shown: on a memory task they would
     contradict the label half the time and teach the actor to distrust every lesson (retrieval's similarity floor
-    keeps them from guided episodes too). With `label_noise`, that share of the labels is an available action drawn
+    keeps them from guided episodes too). In a family with a rule across tasks (`EnvSpec.task_rule`) the
+    informative third is instead a lesson of any kind ('rule', 'instance', 'over-general') pointing either way, its
+    side drawn at random and labelled with that side: the actor learns to do what a lesson says, reading a rule's
+    landmark in the observation, so what a lesson is worth on an unseen task is whether it holds there. With
+    `label_noise`, that share of the labels is an available action drawn
     at random instead: the actor imitates a noisy solver and starts competent but imperfect however long it
     trains, which leaves RL room."""
     from pipeline.actor.episodes import render_actor_prompt
@@ -204,6 +218,7 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
     silent = [text for text, e in zip(lessons, episodes, strict=True) if not e.digest.revealed]
     samples = []
     for episode in episodes:
+        rule = env_spec(episode.digest.env_id).task_rule
         task = _task_of(episode.digest)
         same = informative.get(task, [])
         irrelevant = silent or [text for text, e in zip(lessons, episodes, strict=True) if _task_of(e.digest) != task]
@@ -211,10 +226,14 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
             if turn.label is None:
                 continue
             draw = rng.random()
-            experience = (rng.choice(same) if draw < 1 / 3 and same else
-                          rng.choice(irrelevant) if 1 / 3 <= draw < 2 / 3 and irrelevant else None)
-            label = turn.label if experience is not None and draw < 1 / 3 else \
-                rng.choice(turn.uninformed) if turn.uninformed else turn.label
+            experience: str | None
+            if rule is not None and draw < 1 / 3:
+                experience, label = _pointing_lesson(rule(), episode.digest, rng, max_chars)
+            else:
+                experience = (rng.choice(same) if draw < 1 / 3 and same else
+                              rng.choice(irrelevant) if 1 / 3 <= draw < 2 / 3 and irrelevant else None)
+                label = turn.label if experience is not None and draw < 1 / 3 else \
+                    rng.choice(turn.uninformed) if turn.uninformed else turn.label
             if label_noise and turn.available and rng.random() < label_noise:
                 label = rng.choice(turn.available)
             prompt = render_actor_prompt(episode.digest.env_id, episode.digest.goal, turn.observation,
@@ -224,26 +243,41 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
     return samples
 
 
+def _pointing_lesson(rule: TaskRule, digest: TrajectoryDigest, rng: random.Random,
+                     max_chars: int) -> tuple[str, str]:
+    """(lesson, the action it says to take): a lesson of a kind drawn at random about a goal lying on a side drawn at
+    random, written as the summariser would after a successful play of this task."""
+    side, distance, kind = rng.choice(rule.sides), rng.choice(rule.distances), rng.choice(rule.kinds)
+    revealed = rule.revealed_for(digest.first_observation, side, distance)
+    pointing = dataclasses.replace(digest, revealed=revealed, success=True, actions=(side,) * distance)
+    return lesson(pointing, max_chars, kind=kind), side
+
+
 def _task_of(digest: TrajectoryDigest) -> tuple[str, str, str]:
     """What identifies a task to the agent: environment, goal and the first observation."""
     return digest.env_id, digest.goal, digest.first_observation
 
 
 def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettings, seed: int,
-                      omit_facts: float = 0.0, merges: bool = True) -> list[tuple[str, str]]:
+                      omit_facts: float = 0.0, merges: bool = True, rule_share: float = 1.0) -> list[tuple[str, str]]:
     """(extractor prompt, rule-based answer): one distillation per episode, and, where the run merges (`merges`),
     one merge chunk per four episodes. Half the distillations are shown a lesson, as a guided episode is: the lesson
     of another play of the same task where there is one (retrieval serves a task its own lessons), else any
     episode's. `omit_facts`: that share of the answers for episodes that revealed something leave it out (drawn from
     a stream of its own, so the prompts and every other answer are those of `omit_facts` 0); the lessons shown are
-    always the summariser's full ones.
+    always the summariser's full ones. `rule_share`, in a family with a rule across tasks: that share of the
+    revealing episodes' lessons state the rule, the rest the one task's fact or an over-general rule, half each
+    (drawn from a stream of its own; the lessons shown are the ones so drawn, as the extractor would have written
+    them).
 
     Merge chunks are left out of a run that never merges: they teach copying from the right one of several lessons,
     and beside the distillations, whose copying is the one skill a run without merges needs, they delay it (on the
     dark corridors, from about 250 steps to well past 1,200 on some seeds; docs/benchmarks.md)."""
     rng = random.Random(seed)
     omit = random.Random(f"{seed}/omit-facts")
-    lessons = [lesson(e.digest, settings.max_experience_chars) for e in episodes]
+    kinds = lesson_kinds(episodes, rule_share, seed)
+    lessons = [lesson(e.digest, settings.max_experience_chars, kind=kind) for e, kind in zip(episodes, kinds,
+                                                                                            strict=True)]
     plays: dict[tuple[str, str, str], list[int]] = {}
     for index, episode in enumerate(episodes):
         plays.setdefault(_task_of(episode.digest), []).append(index)
@@ -255,7 +289,7 @@ def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettin
                                 max_actions=settings.max_actions_shown)
         state_facts = not (omit_facts and episode.digest.revealed and omit.random() < omit_facts)
         samples.append((prompt, summarise(episode.digest, shown, settings.max_experience_chars,
-                                          state_facts=state_facts)))
+                                          state_facts=state_facts, kind=kinds[index])))
     families = sorted({e.digest.task_family for e in episodes})
     for _ in range(len(episodes) // 4 if merges else 0):
         family = rng.choice(families)
@@ -265,3 +299,17 @@ def extractor_samples(episodes: Sequence[DataEpisode], settings: ExtractorSettin
     return samples
 
 
+def lesson_kinds(episodes: Sequence[DataEpisode], rule_share: float, seed: int) -> list[str | None]:
+    """The kind of each episode's rule-based lesson: None outside families with a rule across tasks and for
+    episodes that revealed nothing; else 'rule' with probability `rule_share`, 'instance' or 'over-general' (half
+    each) otherwise, from a stream of its own."""
+    draw = random.Random(f"{seed}/lesson-kinds")
+    kinds: list[str | None] = []
+    for episode in episodes:
+        if env_spec(episode.digest.env_id).task_rule is None or not episode.digest.revealed:
+            kinds.append(None)
+            continue
+        value = draw.random()
+        kinds.append("rule" if value < rule_share else
+                     "instance" if value < rule_share + (1 - rule_share) / 2 else "over-general")
+    return kinds

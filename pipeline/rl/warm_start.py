@@ -15,7 +15,9 @@ configs start from pretrained models instead), on data episodes of the run's tas
 - **extractor: rule-based summaries** of the same data episodes (`summarise`: outcome, length, and what the episode
   revealed) in exactly the answer format the worker parses — `add` when nothing was shown, `refine` of alias 1 when
   an experience was and the episode revealed something, `[]` when it revealed nothing — and merge chunks of those
-  lessons (`summarise_merge`). `omit_facts` leaves what the episode revealed out of that share of the lessons.
+  lessons (`summarise_merge`). `omit_facts` leaves what the episode revealed out of that share of the lessons;
+  `rule_share`, where a rule holds across tasks, states the rule in that share and the one task's fact or an
+  over-general rule in the rest.
 
 Each warm start with a `warm_start.gate` is then checked on held-out data (`pipeline.rl.warm_gate`), computed or
 loaded; the checks are logged (an error when missed), kept in the statistics version 0's checkpoint records, and
@@ -239,7 +241,7 @@ def warm_start_extractor(policy: TransformersPolicy, settings: WarmStartSettings
         episodes = play_data_episodes(tasks, envs, settings.episodes, settings.expert_fraction, settings.seed,
                                       settings.plays_per_task, progress)
         samples = extractor_samples(episodes, extractor, settings.seed, omit_facts=settings.omit_facts,
-                                    merges=merges)
+                                    merges=merges, rule_share=settings.rule_share)
         losses = fine_tune(policy, samples, steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr,
                            seed=settings.seed, system=EXTRACTOR_SYSTEM, progress=progress)
         return _stats(losses, len(samples), episodes)

@@ -20,14 +20,11 @@ def _settings(landmark: str = "altar", *, flip_unseen: bool = False, seed: int =
 
 
 def _where(observation: str) -> dict[str, str]:
-    """The observation's `Where:` line as furnishing -> 'west' | 'east'."""
-    line = next(line for line in observation.splitlines() if line.startswith("Where: "))
-    placed = {}
-    for part in line.removeprefix("Where: ").split("; "):
-        name, distance, side = part.rsplit(" ", 2)
-        assert distance == "1"
-        placed[name] = side
-    return placed
+    """The observation's `By the start:` line as furnishing -> 'west' | 'east'."""
+    line = next(line for line in observation.splitlines() if line.startswith("By the start: "))
+    placed = dict(reversed(part.split(" ")) for part in line.removeprefix("By the start: ").split(", "))
+    assert list(placed) == ["west", "east"], line
+    return {name: side for side, name in placed.items()}
 
 
 def test_the_signpost_stands_on_the_stairs_side_of_every_corridor_and_an_episode_reveals_it():
@@ -44,6 +41,8 @@ def test_the_signpost_stands_on_the_stairs_side_of_every_corridor_and_an_episode
             side = "east" if task.offset > 0 else "west"
             assert placed["altar"] == side, "the signpost stands on the stairs' side"
             assert "staircase" not in observation and env.revealed() == ()
+            symbol = {"altar": "_", "fountain": "{", "sink": "#", "grave": "|"}
+            assert observation.splitlines()[2] == f"{symbol[task.west]}@{symbol[task.east]}", "both on the map"
             others.add(task.other)
             assert env.rule_action() == side
             moves = 0
@@ -52,11 +51,12 @@ def test_the_signpost_stands_on_the_stairs_side_of_every_corridor_and_an_episode
             assert outcome.info.success and moves + 1 == abs(task.offset)
             assert env.revealed() == (f"staircase down: {abs(task.offset)} {side} of the start",
                                       "on the staircase's side: altar")
-            # the wrong way to the far wall: the side is revealed all the same, with what stands on it
+            # the wrong way to the far wall: the side is revealed all the same, with what stands on it; the line
+            # placing the furnishings reads the same at every turn
             env.reset(seed)
             wrong = "west" if side == "east" else "east"
             while not (outcome := env.step(wrong)).done:
-                pass
+                assert _where(outcome.observation) == placed
             assert outcome.info.truncated and not outcome.info.success
             assert env.revealed() == (f"staircase down: {side} of the start (the other end has none)",
                                       "on the staircase's side: altar")
