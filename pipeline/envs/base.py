@@ -88,6 +88,9 @@ class TaskRule(Protocol):
         """What an episode that started with `first_observation` would reveal had its goal lain `distance` to
         `side` (a lesson of any kind can then be written pointing either way)."""
 
+    def turned_around(self, revealed: tuple[str, ...], first_observation: str) -> tuple[str, ...]:
+        """What the episode would have revealed had its goal lain the other way (a wrong lesson, for the gate)."""
+
     def kind_of(self, text: str, task_rule: str | None) -> str | None:
         """The kind of lesson `text` is where the rule names `task_rule` ('wrong rule' naming another), or None."""
 

@@ -172,6 +172,15 @@ class SignpostRule:
     def revealed_for(self, first_observation: str, side: str, distance: int) -> tuple[str, ...]:
         return revealed_for(first_observation, side, distance)
 
+    def turned_around(self, revealed: tuple[str, ...], first_observation: str) -> tuple[str, ...]:
+        side = next((m for m in map(_SIDE_FACT.search, revealed) if m), None)
+        if side is None:
+            return revealed
+        other = "east" if side.group(2) == "west" else "west"
+        turned = revealed_for(first_observation, other, int(side.group(1) or 0))
+        return turned if side.group(1) else (f"staircase down: {other} of the start (the other end has none)",
+                                               turned[1])
+
     def kind_of(self, text: str, task_rule: str | None) -> str | None:
         return lesson_kind(text, task_rule)
 

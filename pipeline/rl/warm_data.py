@@ -122,6 +122,12 @@ def _tasks(tasks: Sequence[TaskMix]) -> list[tuple[str, int]]:
     return [(t.env_id, t.max_turns or env_spec(t.env_id).max_turns) for t in tasks]
 
 
+def data_envs(envs: EnvSettings) -> EnvSettings:
+    """The env settings data episodes are played with, and their tasks replayed by the gates: the run's, with a
+    signpost per corridor in signpost corridors and none flipped."""
+    return envs.model_copy(update={"signpost": SignpostSettings(landmark="per-task")})
+
+
 def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: int, expert_fraction: float,
                        seed: int, plays_per_task: int = 1, progress: Progress = no_progress,
                        split: Split = "train") -> list[DataEpisode]:
@@ -132,8 +138,8 @@ def play_data_episodes(tasks: Sequence[TaskMix], envs: EnvSettings, episodes: in
     pool of `episodes / plays_per_task` tasks, so a task is played several times and one play's lesson can inform
     another's (what memory tasks need). Signpost corridors are played with a signpost per corridor and none
     flipped, so the warm starts learn to read and copy any furnishing, lean toward no run's, and runs of every seed
-    share them."""
-    envs = envs.model_copy(update={"signpost": SignpostSettings(landmark="per-task")})
+    share them (`data_envs`)."""
+    envs = data_envs(envs)
     progress("data", 0, episodes)
     rng = random.Random(seed)
     pool_size = 1000 if plays_per_task == 1 else max(1, episodes // plays_per_task)

@@ -48,7 +48,7 @@ from pipeline.extractor.protocol import (
 from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.base import PolicyModel, SamplingParams
 from pipeline.rl.settings import WarmStartGate, WarmStartSettings
-from pipeline.rl.warm_data import DataEpisode, lesson, play_data_episodes
+from pipeline.rl.warm_data import DataEpisode, data_envs, lesson, play_data_episodes
 from schemas.base import Producer
 from schemas.tasks import EpisodeAssigned
 from schemas.training import WarmStartGateCheck
@@ -171,9 +171,8 @@ def play_with_lessons(policy: PolicyModel, tasks: Sequence[Task], rollout: Rollo
                       split: str = "eval") -> list[bool]:
     """Play each task once with the rollout worker's player and sampling, guided by its lesson where it has one;
     returns each episode's success, in order."""
-    player = EpisodePlayer(rollout, envs, run_id=GATE_RUN_ID, producer=Producer(worker="warm-start-gate",
-                                                                                 instance="gate-0"),
-                           seed=rollout.generation.seed)
+    player = EpisodePlayer(rollout, data_envs(envs), run_id=GATE_RUN_ID,
+                           producer=Producer(worker="warm-start-gate", instance="gate-0"), seed=rollout.generation.seed)
     player.policy, player.version = policy, 0
     lessons: dict[str, str] = {}
     for task in tasks:
@@ -206,7 +205,8 @@ def lesson_tasks(episodes: Sequence[DataEpisode], max_turns: Mapping[str, int],
                  max_chars: int) -> tuple[list[Task], list[Task]]:
     """(right, wrong): for each task of `episodes` with a play that revealed something, the task guided by that
     play's rule-based lesson, and, where its facts name directions, guided by the lesson with them turned around
-    (`max_turns`: each environment's turn limit)."""
+    (`max_turns`: each environment's turn limit). In a family with a rule across tasks the lessons state the rule
+    (`lesson`'s default), and the turned one names the furnishing on the other side (`TaskRule.turned_around`)."""
     right, wrong, seen = [], [], set()
     for episode in episodes:
         digest = episode.digest
@@ -215,7 +215,9 @@ def lesson_tasks(episodes: Sequence[DataEpisode], max_turns: Mapping[str, int],
         seen.add((digest.env_id, episode.task_seed))
         limit = max_turns[digest.env_id]
         right.append(Task(digest.env_id, episode.task_seed, limit, lesson(digest, max_chars)))
-        turned = tuple(reversed_directions(fact) for fact in digest.revealed)
+        rule = env_spec(digest.env_id).task_rule
+        turned = rule().turned_around(digest.revealed, digest.first_observation) if rule is not None else \
+            tuple(reversed_directions(fact) for fact in digest.revealed)
         if turned != digest.revealed:
             wrong.append(Task(digest.env_id, episode.task_seed, limit,
                               lesson(dataclasses.replace(digest, revealed=turned), max_chars)))

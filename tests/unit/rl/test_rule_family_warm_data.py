@@ -34,7 +34,8 @@ def test_a_lesson_of_each_kind_and_what_the_classifier_reads_back():
     with pytest.raises(ValueError, match="unknown lesson kind 'vague'"):
         SIGNPOST_RULE.statement(DIGEST.revealed, "vague")
     # what the same corridor would reveal with its stairs the other way: the furnishing standing there
-    assert revealed_for(FIRST, "east", 5) == ("staircase down: 5 east of the start", "on the staircase's side: fountain")
+    assert revealed_for(FIRST, "east", 5) == ("staircase down: 5 east of the start",
+                                              "on the staircase's side: fountain")
     with pytest.raises(ValueError, match="no one furnishing stands north"):
         revealed_for(FIRST, "north", 2)
 
@@ -54,6 +55,8 @@ def test_the_extractors_data_writes_the_rule_in_its_share_and_the_wrong_kinds_ha
     written = Counter()
     for (prompt, answer), (same_prompt, _), episode, kind in zip(samples, perfect, episodes, kinds, strict=True):
         ops = parse_distill(answer, 1 if "Experiences shown:\n[1]" in prompt else 0, max_ops=3, max_chars=400)
+        if kind is None or "Experiences shown:\n[1]" not in prompt:
+            assert same_prompt == prompt, "the kinds are drawn apart: a prompt showing nothing is the same"
         if kind is None or not ops:
             continue
         signpost = re.search(r"side: (\w+)", episode.digest.revealed[1]).group(1)

@@ -7,6 +7,7 @@ Run: pytest tests/unit/rl/test_warm_gate.py
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -109,6 +110,37 @@ def test_the_actor_gate_measures_an_actor_that_follows_lessons_as_right_and_wron
     assert [(c.name, c.value, c.passed) for c in checks] == [("min_success_right", 1.0, True),
                                                              ("max_success_wrong", 0.0, True)]
     assert checks[0].samples == checks[1].samples >= 5, "every held-out task drawn, once with each lesson"
+
+
+class FollowsRules(FollowsLessons):
+    """An actor that walks to the side of the furnishing its lesson names (signpost corridors)."""
+
+    def generate(self, prompts, sampling: SamplingParams, seeds, sessions=None) -> list[Generation]:  # type: ignore[no-untyped-def]
+        generations = []
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else self.decode(prompt)
+            named = re.search(r"on the (\w+)'s side", text)
+            placed = re.search(r"By the start: (\w+) west, (\w+) east", text)
+            answer = " east\n" if named is None or placed is None or placed.group(2) == named.group(1) else " west\n"
+            generations.append(Generation(tuple(self.encode(text)), tuple(self.encode(answer)), answer,
+                                          (0.0,) * len(answer), "stop"))
+        return generations
+
+
+def test_on_signpost_corridors_the_gate_gives_the_rule_and_for_a_wrong_lesson_the_other_furnishing():
+    signposts = [TaskMix(env_id="MiniHack-SignpostCorridor-v0", max_turns=9)]
+    episodes = play_data_episodes(signposts, EnvSettings(), 8, 1.0, seed=3, plays_per_task=2, split="eval")
+    right, wrong = lesson_tasks(episodes, {"MiniHack-SignpostCorridor-v0": 9}, 400)
+    assert len(right) == len(wrong) == len({e.task_seed for e in episodes})
+    for good, bad in zip(right, wrong, strict=True):
+        named = [re.search(r"on the (\w+)'s side", t.lesson).group(1) for t in (good, bad)]  # type: ignore[arg-type]
+        assert named[0] != named[1], (good.lesson, bad.lesson)
+    # the run's own signpost (drawn per run) plays no part: the gate replays the data's corridors
+    warm = WarmStartSettings(plays_per_task=2, gate=WarmStartGate(episodes=16, min_success_right=0.9,
+                                                                  max_success_wrong=0.1))
+    for run in (EnvSettings(seed=1), EnvSettings(seed=2, signpost={"landmark": "sink", "flip_unseen": True})):
+        checks = actor_gate(FollowsRules(), warm, signposts, run, RolloutSettings(history_turns=2))
+        assert [(c.name, c.value) for c in checks] == [("min_success_right", 1.0), ("max_success_wrong", 0.0)]
 
 
 def test_the_actor_gate_refuses_tasks_whose_facts_have_no_direction_to_turn_around():
