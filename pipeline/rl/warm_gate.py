@@ -89,12 +89,23 @@ class Distilled:
         return "; ".join(self.digest.revealed)
 
     @property
+    def facts(self) -> tuple[str, ...]:
+        """The statements a lesson of this episode may make: what it revealed; in a family with a rule across tasks,
+        that as a lesson of each kind (the rule, the one task's fact, the over-general side), each true of this
+        episode. () when it revealed nothing."""
+        rule = env_spec(self.digest.env_id).task_rule
+        if rule is None or not self.digest.revealed:
+            return (self.fact,) if self.fact else ()
+        stated = (rule().statement(self.digest.revealed, kind) for kind in rule().kinds)
+        return tuple(statement for statement in stated if statement)
+
+    @property
     def states_fact(self) -> bool | None:
-        """Whether a lesson of the answer states what the episode revealed word for word (False when the answer
-        holds no lesson: it kept nothing, or did not parse); None when the episode revealed nothing."""
-        if not self.fact:
+        """Whether a lesson of the answer makes one of `facts` word for word (False when the answer holds no
+        lesson: it kept nothing, or did not parse); None when the episode revealed nothing."""
+        if not self.facts:
             return None
-        return any(self.fact in text for text in self.lessons)
+        return any(fact in text for fact in self.facts for text in self.lessons)
 
 
 def distil_held_out(policy: PolicyModel, episodes: Sequence[DataEpisode], extractor: ExtractorSettings,

@@ -6,6 +6,7 @@ Run: pytest tests/unit/rl/test_warm_gate.py
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Sequence
@@ -170,3 +171,23 @@ def test_a_broken_warm_start_misses_its_gate_and_says_so(tmp_path, caplog):
         assert [c.passed for c in done.gate] == [True, False]
         assert "extractor warm start gate MISSED" in caplog.text
         caplog.clear()
+
+
+def test_on_a_family_with_a_rule_a_lesson_of_any_kind_true_of_its_episode_states_what_it_revealed():
+    from pipeline.extractor.protocol import TrajectoryDigest
+    from pipeline.rl.warm_gate import Distilled
+
+    digest = TrajectoryDigest(env_id="MiniHack-SignpostCorridor-v0", task_family="minihack-signpost-corridor",
+                              goal="g", first_observation="By the start: altar west, sink east", actions=("west",),
+                              success=True, truncated=False,
+                              revealed=("staircase down: 4 west of the start", "on the staircase's side: altar"))
+
+    def states(*lessons: str) -> bool | None:
+        return Distilled(digest, (), "", True, lessons).states_fact
+
+    assert states("Solved in 4 actions. the staircase down is on the altar's side.")
+    assert states("Solved in 4 actions. staircase down: 4 west of the start.")
+    assert states("Solved in 4 actions. the staircase down is always west of the start.")
+    assert not states("Solved in 4 actions. the staircase down is on the sink's side.")
+    assert not states("Solved in 4 actions. the staircase down is always east of the start.")
+    assert not states() and Distilled(dataclasses.replace(digest, revealed=()), (), "", True, ()).states_fact is None
