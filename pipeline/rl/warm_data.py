@@ -210,9 +210,8 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
     informative third is instead a lesson of any kind ('rule', 'instance', 'over-general') pointing either way, its
     side drawn at random and labelled with that side: the actor learns to do what a lesson says, reading a rule's
     landmark in the observation, so what a lesson is worth on an unseen task is whether it holds there. With
-    `label_noise`, that share of the labels is an available action drawn
-    at random instead: the actor imitates a noisy solver and starts competent but imperfect however long it
-    trains, which leaves RL room."""
+    `label_noise`, that share of the labels is an available action drawn at random instead: the actor imitates a
+    noisy solver and starts competent but imperfect however long it trains, which leaves RL room."""
     from pipeline.actor.episodes import render_actor_prompt
 
     rng = random.Random(seed)
