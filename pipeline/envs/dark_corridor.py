@@ -70,22 +70,20 @@ def level_description(offset: int) -> str:
 class DarkCorridorEnv(MiniHackEnv):
     """Named dark corridors (`MiniHack-DarkCorridor-v0`, task family `minihack-dark-corridor`)."""
 
-    def __init__(self, *, max_turns: int = 9, invalid_action: InvalidActionRule = "skip") -> None:
+    def __init__(self, *, max_turns: int = 9, invalid_action: InvalidActionRule = "skip",
+                 env_id: str = "MiniHack-DarkCorridor-v0", task_family: str = "minihack-dark-corridor") -> None:
         TextEnv.__init__(self, max_turns=max_turns, invalid_action=invalid_action)
         try:
             import minihack  # noqa: F401  (registers MiniHack-Navigation-Custom-v0)
         except ImportError as exc:
             raise EnvUnavailableError(
-                f"MiniHack-DarkCorridor-v0 needs minihack and nle: pip install 'nle==1.3.0' 'minihack==1.0.2' "
+                f"{env_id} needs minihack and nle: pip install 'nle==1.3.0' 'minihack==1.0.2' "
                 f"'setuptools<81' ({exc})") from exc
-        self.env_id = "MiniHack-DarkCorridor-v0"
-        self.task_family = "minihack-dark-corridor"
+        self.env_id = env_id
+        self.task_family = task_family
         self.kind = "corridor"
         self._levels: dict[int, Env[Any, Any]] = {}
         """Offset -> its gymnasium env (eight layouts in all, each built once)."""
-        self._init_play_state()
-
-    def _init_play_state(self) -> None:
         self._actions = tuple(ACTION_WORDS[name] for name in ("N", "E", "S", "W", "NE", "SE", "SW", "NW"))
         self._index = {word: i for i, word in enumerate(self._actions)}
         self._last: dict[str, np.ndarray] = {}

@@ -82,9 +82,6 @@ def nle_seeds(seed: int) -> tuple[int, int]:
 class MiniHackEnv(TextEnv):
     """One MiniHack task family (`kind`: room | maze | keyroom | river) behind the text protocol."""
 
-    landmarks: tuple[str, ...] = _LANDMARKS
-    """What the observation's `Where:` line places relative to the agent."""
-
     def __init__(self, env_id: str, *, task_family: str, kind: str, max_turns: int = 30,
                  invalid_action: InvalidActionRule = "skip") -> None:
         super().__init__(max_turns=max_turns, invalid_action=invalid_action)
@@ -201,14 +198,14 @@ class MiniHackEnv(TextEnv):
                 if not name:
                     continue
                 legend.setdefault(symbol, name)
-                if name in self.landmarks:
+                if name in _LANDMARKS:
                     landmarks.setdefault(name, []).append((top + r - agent_y, left + c - agent_x))
         lines = ["Map:", text]
         message = bytes(observation["message"]).rstrip(b"\0").decode("latin-1").strip()
         if message and not message.startswith(_CLOCK_MESSAGES):
             lines.append(f"Message: {message}")
         where = []
-        for name in self.landmarks:
+        for name in _LANDMARKS:
             for dy, dx in sorted(landmarks.get(name, []), key=lambda d: (abs(d[0]) + abs(d[1]), d))[:3]:
                 where.append(f"{name} {_relative(dy, dx)}")
         if where:

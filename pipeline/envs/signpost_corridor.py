@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from pipeline.envs.base import InvalidActionRule, TextEnv
+from pipeline.envs.base import InvalidActionRule
 from pipeline.envs.dark_corridor import ADJECTIVES, CREATURES, DISTANCES, HALF_LENGTH, DarkCorridorEnv
-from pipeline.errors import ConfigError, EnvUnavailableError, InvalidArgumentError
+from pipeline.errors import ConfigError, InvalidArgumentError
 
 if TYPE_CHECKING:  # gymnasium loads with minihack, on first use
     from gymnasium import Env
@@ -217,25 +217,15 @@ class SignpostCorridorEnv(DarkCorridorEnv):
 
     def __init__(self, *, landmark: str | None, flip_unseen: bool = False, max_turns: int = 9,
                  invalid_action: InvalidActionRule = "skip") -> None:
-        TextEnv.__init__(self, max_turns=max_turns, invalid_action=invalid_action)
-        try:
-            import minihack  # noqa: F401  (registers MiniHack-Navigation-Custom-v0)
-        except ImportError as exc:
-            raise EnvUnavailableError(
-                f"MiniHack-SignpostCorridor-v0 needs minihack and nle: pip install 'nle==1.3.0' 'minihack==1.0.2' "
-                f"'setuptools<81' ({exc})") from exc
         if landmark is not None and landmark not in FURNISHINGS:
             raise ConfigError(f"unknown signpost {landmark!r}; valid values: {FURNISHINGS} or None (per task)")
-        self.env_id = "MiniHack-SignpostCorridor-v0"
-        self.task_family = "minihack-signpost-corridor"
-        self.kind = "corridor"
+        super().__init__(max_turns=max_turns, invalid_action=invalid_action, env_id="MiniHack-SignpostCorridor-v0",
+                         task_family="minihack-signpost-corridor")
         self.landmark = landmark
         self.flip_unseen = flip_unseen
         self.task = SignpostTask("", 0, FURNISHINGS[0], FURNISHINGS[1])
-        self._levels: dict[int, Env[Any, Any]] = {}  # a dark corridor's levels by offset: none here
         self._signposted: OrderedDict[SignpostTask, Env[Any, Any]] = OrderedDict()
         """A layout (the task less its name) -> its gymnasium env, least recently used first."""
-        self._init_play_state()
 
     def _level_of(self, task: SignpostTask) -> Env[Any, Any]:
         key = SignpostTask("", task.offset, task.west, task.east)  # the layout, whatever the name
