@@ -236,6 +236,31 @@ def arm_difference(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes], pool: str
     same eval tasks, and with per-episode streams the same draws), tasks by (env id, task seed). paired: the interval
     of the per-task differences (seeds, then tasks); otherwise each arm is resampled on its own
     (`bootstrap_independent`), as if the arms shared nothing. The value is the same either way."""
+    pairs = _task_pairs(a, b, pool, which, guided)
+    if pairs is None:
+        return None
+    if paired:
+        return bootstrap(pairs, paired_difference, resamples=resamples)
+    return bootstrap_independent({i: [x for x, _ in units] for i, units in pairs.items()},
+                                 {i: [y for _, y in units] for i, units in pairs.items()},
+                                 lambda xs, ys: _mean(xs) - _mean(ys), resamples=resamples)
+
+
+def arm_ratio(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes], pool: str, which: Literal["first", "last"],
+              guided: bool, resamples: int = 2000) -> Estimate | None:
+    """Success of arm `a` over arm `b` at an evaluation, one slot kind, runs and tasks paired as in
+    `arm_difference` (seeds, then tasks resampled; a resample whose `b` succeeded nowhere is skipped)."""
+    pairs = _task_pairs(a, b, pool, which, guided)
+    if pairs is None:
+        return None
+    if not any(y for units in pairs.values() for _, y in units):
+        raise InvalidArgumentError(f"a ratio over an arm that succeeded on no {pool!r} task at its {which} evaluation")
+    return bootstrap(pairs, lambda units: sum(x for x, _ in units) / sum(y for _, y in units), resamples=resamples)
+
+
+def _task_pairs(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes], pool: str, which: Literal["first", "last"],
+                guided: bool) -> dict[int, list[tuple[float, float]]] | None:
+    """Per run pair (by position), (success of `a`, success of `b`) on each task both played; None if none."""
     if len(a) != len(b) or not a:
         raise InvalidArgumentError(f"arms pair run by run: {len(a)} runs against {len(b)}")
     pairs: dict[int, list[tuple[float, float]]] = {}
@@ -243,13 +268,7 @@ def arm_difference(a: Sequence[RunOutcomes], b: Sequence[RunOutcomes], pool: str
         tasks_a, tasks_b = run_a.evaluation(pool, which), run_b.evaluation(pool, which)
         pairs[i] = [(_mean(tasks_a[t][guided]), _mean(tasks_b[t][guided]))
                     for t in sorted(tasks_a.keys() & tasks_b.keys()) if tasks_a[t][guided] and tasks_b[t][guided]]
-    if not any(pairs.values()):
-        return None
-    if paired:
-        return bootstrap(pairs, paired_difference, resamples=resamples)
-    return bootstrap_independent({i: [x for x, _ in units] for i, units in pairs.items()},
-                                 {i: [y for _, y in units] for i, units in pairs.items()},
-                                 lambda xs, ys: _mean(xs) - _mean(ys), resamples=resamples)
+    return pairs if any(pairs.values()) else None
 
 
 def verdict(rise: Estimate | None) -> str:
@@ -451,9 +470,9 @@ def _compared(group_a: TrainGroup, group_b: TrainGroup,
 
 
 LESSONS_SQL = (
-    "SELECT history.extractor_version, history.text, source.revealed FROM experience_history AS history "
+    "SELECT history.extractor_version, history.text, source.revealed, source.env_id FROM experience_history AS history "
     "JOIN trajectory_completed AS source "
-    "ON source.trajectory_id = json_extract_string(history.source_trajectory_ids, '$[0]') "
+    "ON source.trajectory_id = history.source_trajectory_ids ->> 0 "
     "WHERE history.op_kind IN ('ExperienceAdded', 'ExperienceRefined') AND history.extractor_version IS NOT NULL")
 """Every lesson the extractor added or refined (as applied), with the version that wrote it and what the episode it
 was distilled from revealed."""
@@ -496,7 +515,7 @@ def extractor_versions(run_dir: Path) -> list[ExtractorVersion]:
     lessons: dict[int, list[bool]] = {}
     guided: dict[int, list[bool]] = {}
     with Audit(run_dir) as audit:
-        for version, text, revealed in audit.query(LESSONS_SQL)[1]:
+        for version, text, revealed, _env_id in audit.query(LESSONS_SQL)[1]:
             facts = json.loads(revealed) if isinstance(revealed, str) else list(revealed or [])
             if facts:
                 lessons.setdefault(int(version), []).append("; ".join(facts) in text)
@@ -504,6 +523,43 @@ def extractor_versions(run_dir: Path) -> list[ExtractorVersion]:
             guided.setdefault(int(version), []).append(bool(success))
     return [ExtractorVersion(v, len(lessons.get(v, [])), sum(lessons.get(v, [])), len(guided.get(v, [])),
                              sum(guided.get(v, []))) for v in sorted(lessons.keys() | guided.keys())]
+
+
+@dataclass(frozen=True)
+class LessonKinds:
+    """What one extractor version's lessons state, in a family with a rule across tasks (`EnvSpec.task_rule`)."""
+
+    version: int
+    counts: dict[str, int]
+    """Lessons of revealing episodes per kind ('rule', 'wrong rule', 'instance', 'over-general', or 'none' for a
+    lesson stating none of these)."""
+
+    @property
+    def lessons(self) -> int:
+        return sum(self.counts.values())
+
+    def share(self, kind: str) -> float | None:
+        return self.counts.get(kind, 0) / self.lessons if self.lessons else None
+
+
+def lesson_kinds(run_dir: Path) -> list[LessonKinds]:
+    """Per extractor version, the kinds of its lessons (adds and refines) of episodes that revealed something in
+    families with a rule across tasks, judged against the rule the episode revealed (`TaskRule.rule_in`): what the
+    extractor's outcome reward is to move toward the rule. Empty for families without one."""
+    from pipeline.envs.registry import env_spec
+
+    counts: dict[int, dict[str, int]] = {}
+    with Audit(run_dir) as audit:
+        for version, text, revealed, env_id in audit.query(LESSONS_SQL)[1]:
+            factory = env_spec(str(env_id)).task_rule
+            facts = tuple(json.loads(revealed) if isinstance(revealed, str) else list(revealed or []))
+            if factory is None or not facts:
+                continue
+            rule = factory()
+            kind = rule.kind_of(str(text), rule.rule_in(facts)) or "none"
+            by_kind = counts.setdefault(int(version), {})
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+    return [LessonKinds(version, counts[version]) for version in sorted(counts)]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ without one).
 
 The page opens with a table per arm (the runs of an arm pooled as seeds): evaluation success at the first and the
 last evaluation, per eval pool and slot kind, with 95% bootstrap intervals, the rise between them and whether it
-is clear, and guided minus free at the end (`pipeline.audit.learning`).
+is clear, and guided minus free at the end (`pipeline.audit.learning`). Below it, the lesson-quality panel: per run
+and extractor version, the lessons it wrote of episodes that revealed something, the share stating what was revealed
+and, in a family with a rule across tasks (signpost corridors), the share of each kind (the rule, one task's fact, an
+over-general rule, a wrong rule), then the guided train episodes its lessons were served to and their success.
 
 Figures (PNG, drawn with matplotlib's Agg canvas, no display needed):
 - `learning.png`: per arm, train success (guided, free) against environment steps with 95% bands, and evaluation
@@ -52,15 +55,21 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.audit.learning import (
     EVAL_OUTCOMES_SQL,
+    GUIDED_BY_VERSION_SQL,
+    LESSONS_SQL,
     ROW_COLUMNS,
     RUN_CONFIG_SQL,
     TRAIN_OUTCOMES_SQL,
     ArmRow,
     EvalProvenance,
+    ExtractorVersion,
+    LessonKinds,
     RunOutcomes,
     TrainGroup,
     arm_table,
     evaluation_provenance,
+    extractor_versions,
+    lesson_kinds,
     load_outcomes,
     row_cells,
     success_curve,
@@ -158,6 +167,8 @@ class Report:
     curves: tuple[RunCurves, ...] = field(repr=False, default=())
     arms: tuple[ArmRow, ...] = ()
     """Evaluation success per arm, eval pool and slot kind, pooled over the runs of the arm."""
+    quality: tuple[LessonQuality, ...] = ()
+    """Per run, what each extractor version wrote and how the episodes its lessons guided ended."""
 
 
 # -- the queries behind the figures -----------------------------------------------------------------------------------
@@ -567,6 +578,54 @@ def _source_block(name: str, source: Source, run_dirs: Sequence[Path]) -> str:
             f"<pre>{html.escape(commands)}</pre>\n</details>\n")
 
 
+LESSON_QUALITY_SOURCE = Source(
+    (LESSONS_SQL, GUIDED_BY_VERSION_SQL),
+    "Per run and extractor version: of the lessons it added or refined from episodes that revealed something (the "
+    "first query), the share that state what their episode revealed word for word (pipeline.audit.learning."
+    "extractor_versions) and, in a family with a rule across tasks, the share of each kind of lesson judged against "
+    "the rule the episode revealed (lesson_kinds); from the second query, the guided train episodes served one of "
+    "its lessons and their success.")
+LESSON_KINDS_SHOWN = ("rule", "instance", "over-general", "wrong rule")
+_QUALITY_COLUMNS = ("run", "extractor version", "lessons of revealing episodes", "state what was revealed",
+                    *(f"{kind} lessons" for kind in LESSON_KINDS_SHOWN), "guided episodes served its lessons",
+                    "their success")
+
+
+@dataclass(frozen=True)
+class LessonQuality:
+    """One run's extractor versions: what each wrote and how the episodes its lessons guided ended."""
+
+    run_id: str
+    versions: tuple[ExtractorVersion, ...]
+    kinds: tuple[LessonKinds, ...]
+
+
+def lesson_quality(run_dir: Path, run_id: str) -> LessonQuality:
+    return LessonQuality(run_id, tuple(extractor_versions(run_dir)), tuple(lesson_kinds(run_dir)))
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.2f} ({part})" if whole else "-"
+
+
+def _quality_section(runs: Sequence[LessonQuality], run_dirs: Sequence[Path]) -> str:
+    """The lesson-quality panel: one row per run and extractor version (none where no extractor wrote a lesson)."""
+    rows = []
+    for run in runs:
+        kinds = {k.version: k for k in run.kinds}
+        for version in run.versions:
+            by_kind = kinds.get(version.version)
+            rows.append([run.run_id, str(version.version), str(version.lessons),
+                         _share(version.stating, version.lessons),
+                         *(_share(by_kind.counts.get(kind, 0), by_kind.lessons) if by_kind else "-"
+                           for kind in LESSON_KINDS_SHOWN),
+                         str(version.guided), _rate(version.guided_success)])
+    if not rows:
+        return ""
+    return ("<h2>Lessons per extractor version</h2>\n" + _table(_QUALITY_COLUMNS, rows, "lesson-quality")
+            + _source_block("lesson-quality", LESSON_QUALITY_SOURCE, run_dirs))
+
+
 @dataclass(frozen=True)
 class Behind:
     """What stands behind one run's figures: its warm starts' gates and the versions and banks of its
@@ -602,7 +661,7 @@ def _behind_section(runs: Sequence[Behind]) -> str:
 
 
 def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = (),
-                backgrounds: Sequence[Behind] = ()) -> str:
+                backgrounds: Sequence[Behind] = (), quality: Sequence[LessonQuality] = ()) -> str:
     """The page: title, one table row per arm (evaluation success pooled over its runs, with 95% intervals), one
     per run, then the figures (referenced by file name, next to the page). Under the table of arms and under each
     figure, the `crl audit sql` commands that print the numbers it shows (`ARM_TABLE_SOURCE`, `FIGURE_SOURCES`)."""
@@ -623,7 +682,7 @@ def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequ
                       + _table(_FAMILY_COLUMNS, family_rows)) if family_rows else ""
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
-            f"{_behind_section(backgrounds)}"
+            f"{_behind_section(backgrounds)}{_quality_section(quality, run_dirs)}"
             f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{family_section}{images}"
             f"{_LOAD_CHECK}\n</body></html>\n")
 
@@ -646,6 +705,8 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Repor
     figures = {"learning": draw_learning(outcomes, arms, out_dir), **draw_figures(runs, out_dir)}
     page = out_dir / "report.html"
     backgrounds = [behind(run.summary.run_dir, run.summary.run_id) for run in runs]
-    page.write_text(render_html([run.summary for run in runs], figures, arms, backgrounds), encoding="utf-8")
+    quality = [lesson_quality(run.summary.run_dir, run.summary.run_id) for run in runs]
+    page.write_text(render_html([run.summary for run in runs], figures, arms, backgrounds, quality),
+                    encoding="utf-8")
     return Report(html=page, figures=tuple(figures.values()), runs=tuple(run.summary for run in runs),
-                  curves=tuple(run.curves for run in runs), arms=tuple(arms))
+                  curves=tuple(run.curves for run in runs), arms=tuple(arms), quality=tuple(quality))

@@ -94,6 +94,10 @@ class TaskRule(Protocol):
     def kind_of(self, text: str, task_rule: str | None) -> str | None:
         """The kind of lesson `text` is where the rule names `task_rule` ('wrong rule' naming another), or None."""
 
+    def rule_in(self, revealed: tuple[str, ...]) -> str | None:
+        """What the rule names in what an episode revealed (signpost corridors: the furnishing on the stairs'
+        side), or None when it revealed nothing of it."""
+
 
 INVALID_NOTE_ACTIONS = 40
 """An invalid action's note lists the valid actions up to this many (ScienceWorld offers over a hundred)."""

@@ -184,6 +184,10 @@ class SignpostRule:
     def kind_of(self, text: str, task_rule: str | None) -> str | None:
         return lesson_kind(text, task_rule)
 
+    def rule_in(self, revealed: tuple[str, ...]) -> str | None:
+        signpost = next((m for m in map(_SIGNPOST_FACT.search, revealed) if m), None)
+        return signpost.group(1) if signpost is not None else None
+
 
 SIGNPOST_RULE = SignpostRule()
 

@@ -7,12 +7,13 @@ Run: pytest tests/unit/audit/test_learning.py
 from __future__ import annotations
 
 import pytest
-from test_report import archived, common, episode
+from test_report import KEY, archived, common, episode
 
 from pipeline.audit.learning import (
     RunOutcomes,
     TrainGroup,
     arm_difference,
+    arm_ratio,
     arm_table,
     eval_rise,
     eval_success,
@@ -250,3 +251,52 @@ def test_a_run_whose_warm_start_missed_its_gate_is_named(tmp_path):
         "actor": [True], "extractor": [False]}
     assert missed_gates(run_dir) == ["extractor warm start gate MISSED: states_revealed 0.42 >= 0.90 (74) MISSED"]
     assert missed_gates(archived(tmp_path / "h", [done("actor", True), ungated])) == []
+
+
+def test_a_ratio_of_arms_pairs_tasks_and_divides_their_pooled_success():
+    def arm(rates: dict[int, tuple[bool, ...]]) -> RunOutcomes:
+        return outcomes({(9, ENV, "t", task): {True: list(results), False: []} for task, results in rates.items()})
+
+    # A: task 1 1.0, task 2 0.5 (1.5 in all); B: task 1 0.5, task 2 0.5 (1.0): 1.5 / 1.0
+    a, b = [arm({1: (True, True), 2: (True, False)})], [arm({1: (True, False), 2: (False, True)})]
+    ratio = arm_ratio(a, b, "t", "last", guided=True)
+    assert ratio is not None and ratio.value == pytest.approx(1.5)
+    assert ratio.low >= 1.0 - 1e-9 and ratio.high <= 2.0 + 1e-9  # resamples draw task 2 alone (1.0) or task 1 (2.0)
+    assert arm_ratio(a, b, "t", "last", guided=False) is None  # no free episodes
+    with pytest.raises(InvalidArgumentError, match="succeeded on no"):
+        arm_ratio(a, [arm({1: (False, False), 2: (False,)})], "t", "last", guided=True)
+
+
+def test_lesson_kinds_per_extractor_version_judge_each_lesson_against_its_episodes_signpost(tmp_path):
+    from pipeline.audit.learning import lesson_kinds
+    from schemas.experiences import ExperienceAdded
+
+    env = "MiniHack-SignpostCorridor-v0"
+
+    def revealing(slot: int, side: str, signpost: str):
+        e = episode("run-k", 1, "train", slot, True, 3)
+        return e.model_copy(update={"env_id": env, "task_family": "minihack-signpost-corridor",
+                                    "revealed": (f"staircase down: 3 {side} of the start",
+                                                 f"on the staircase's side: {signpost}")})
+
+    def lesson(n: int, version: int, source: str, text: str) -> ExperienceAdded:
+        return ExperienceAdded(**common("run-k"), op_id=f"gen-{n}:0", experience_id=f"exp-{n}",
+                               task_family="minihack-signpost-corridor", text=text, key=KEY,
+                               generation_id=f"gen-{n}", extractor_version=version, source_trajectory_ids=(source,))
+
+    first, second = revealing(0, "west", "altar"), revealing(1, "east", "sink")
+    silent = episode("run-k", 1, "train", 2, False, 9).model_copy(update={"env_id": env})
+    events = [
+        RunStarted(**common("run-k"), config={"scheduler": {"arm": "complementary"}}, code_version="x"),
+        first, second, silent,
+        lesson(0, 0, first.trajectory_id, "Solved in 3 actions. the staircase down is on the altar's side."),
+        lesson(1, 0, second.trajectory_id, "Solved in 3 actions. staircase down: 3 east of the start."),
+        lesson(2, 0, silent.trajectory_id, "Failed after 9 actions. Do not repeat west."),  # revealed nothing
+        lesson(3, 1, second.trajectory_id, "Solved. the staircase down is on the altar's side."),  # not its signpost
+        lesson(4, 1, second.trajectory_id, "Solved. the staircase down is always east of the start."),
+        lesson(5, 1, first.trajectory_id, "Solved in 3 actions."),
+    ]
+    found = lesson_kinds(archived(tmp_path / "k", events))
+    assert [(v.version, v.counts) for v in found] == [
+        (0, {"rule": 1, "instance": 1}), (1, {"wrong rule": 1, "over-general": 1, "none": 1})]
+    assert found[0].share("rule") == 0.5 and found[1].share("rule") == 0.0 and found[1].lessons == 3

@@ -7,12 +7,15 @@ trainers' steps. The grpo run has free train episodes and actor steps only, so m
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import html
+import io
 import json
 import re
 import shlex
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -22,6 +25,7 @@ from pipeline.audit.report import (
     ARM_TABLE_SOURCE,
     BANK_SQL,
     FIGURE_SOURCES,
+    LESSON_QUALITY_SOURCE,
     OP_KINDS,
     SUCCESS_SQL,
     FamilyRow,
@@ -220,8 +224,13 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
     page = report.html.read_text()
     assert re.findall(r'<img src="([^"]+)"', page) == ["learning.png", *FIGURES]
     # the arm table: header + the complementary arm's guided and free rows (the grpo run has no evaluation); then
-    # the run table: header + one row per run; then the family table: header + one family per run
-    assert page.count("<tr>") == 3 + 3 + 3
+    # the run table: header + one row per run; then the family table: header + one family per run; the lesson-quality
+    # panel: header + extractor version 0 of the complementary run (its lessons' sources are no episode of the run,
+    # so none counts as a lesson of a revealing episode; four guided train episodes were served its lessons)
+    assert page.count("<tr>") == 3 + 3 + 3 + 2
+    assert ("<tr><td>comp-1</td><td>0</td><td>0</td><td>-</td><td>-</td><td>-</td><td>-</td><td>-</td><td>4</td>"
+            "<td>100.0%</td></tr>") in page
+    assert 'id="source-lesson-quality"' in page
     assert "<h2>Success per task family" in page
     assert [(row.arm, row.kind, row.tasks, row.before.value, row.verdict) for row in report.arms] == [
         ("complementary", "guided", 1, 1.0, "not measured (one evaluation)"),
@@ -264,7 +273,7 @@ def test_every_figure_and_the_arm_table_print_the_queries_they_were_made_from(ru
     commands = [html.unescape(line) for block in re.findall(r"<pre>(.*?)</pre>", page, re.DOTALL)
                 for line in block.splitlines()]
     # One command per query and run; the SQL printed is the SQL the report read its numbers with.
-    sources = [ARM_TABLE_SOURCE, *FIGURE_SOURCES.values()]
+    sources = [ARM_TABLE_SOURCE, LESSON_QUALITY_SOURCE, *FIGURE_SOURCES.values()]
     assert commands == [f'crl audit sql {run_dir} "{sql}"' for source in sources for sql in source.queries
                         for run_dir in runs]
     printed = {command: audit_sql_json(command) for command in commands}
@@ -329,3 +338,29 @@ def test_cli_rejects_several_runs_without_out_and_a_missing_run_dir(runs, tmp_pa
     missing = invoke(str(tmp_path / "nope"))
     assert missing.exit_code == 2
     assert "no run directory" in missing.output
+
+
+ROOT = Path(__file__).resolve().parents[3]
+LESSONS_OF_A_VERSION = """
+SELECT h.experience_id, h.version, h.text, count(u.trajectory_id) AS guided,
+       count(u.trajectory_id) FILTER (WHERE u.success) AS successes
+FROM experience_history AS h
+LEFT JOIN experience_usage AS u ON u.experience_id = h.experience_id AND u.version = h.version
+WHERE h.extractor_version = 0
+GROUP BY h.op_offset, h.experience_id, h.version, h.text ORDER BY h.op_offset
+"""
+"""docs/running.md's query: which lessons extractor version 0 wrote, and how the episodes they guided ended."""
+
+
+def test_audit_sql_answers_which_lessons_a_version_wrote_and_how_their_episodes_ended(runs):
+    result = CliRunner().invoke(app, ["audit", "sql", str(runs[0]), LESSONS_OF_A_VERSION, "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.reader(io.StringIO(result.output.strip())))
+    # exp-a v1 guided three episodes (two train steps and one served beside exp-b), exp-b v1 one train and one eval
+    # episode, all solved; the refine (exp-a v2), exp-c and the merge were served nothing. The stale refine is in no
+    # version.
+    assert rows == [["experience_id", "version", "text", "guided", "successes"],
+                    ["exp-a", "1", "Advice exp-a.", "3", "3"], ["exp-b", "1", "Advice exp-b.", "2", "2"],
+                    ["exp-a", "2", "Advice exp-a, refined.", "0", "0"], ["exp-c", "1", "Advice exp-c.", "0", "0"],
+                    ["exp-m", "1", "Merged advice.", "0", "0"]]
+    assert LESSONS_OF_A_VERSION.strip() in (ROOT / "docs" / "running.md").read_text()
