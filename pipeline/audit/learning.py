@@ -562,6 +562,24 @@ def lesson_kinds(run_dir: Path) -> list[LessonKinds]:
     return [LessonKinds(version, counts[version]) for version in sorted(counts)]
 
 
+def rule_share_line(run_dir: Path) -> str | None:
+    """In a family with a rule across tasks: the share of lessons stating the rule, written by the extractor's first
+    version and by its last (`lesson_kinds`); None elsewhere or when no version wrote a lesson of a revealing
+    episode."""
+    versions = [v for v in lesson_kinds(run_dir) if v.lessons]
+    if not versions:
+        return None
+    first, last = versions[0], versions[-1]
+
+    def share(version: LessonKinds) -> str:
+        return f"version {version.version} {version.share('rule'):.2f} ({version.counts.get('rule', 0)} of " \
+            f"{version.lessons})"
+
+    if first is last:
+        return f"lessons stating the rule, of revealing episodes: extractor {share(first)}, the only version"
+    return f"lessons stating the rule, of revealing episodes: extractor {share(first)} -> {share(last)}"
+
+
 @dataclass(frozen=True)
 class ExtractorStep:
     """One CISPO step: the rewards of its batch (the mean outcome of each generation's guided episodes)."""

@@ -92,10 +92,18 @@ def _supervise(settings: Settings, report: bool, resume: bool) -> None:
     status = finished.status if finished is not None else "interrupted"
     console.print(f"run {settings.resolved_run_id} {status}: {supervisor.summary_line()}", highlight=False,
                   soft_wrap=True)
-    from pipeline.audit.learning import evaluation_provenance, load_outcomes, missed_gates, verdict_lines
+    from pipeline.audit.learning import (
+        evaluation_provenance,
+        load_outcomes,
+        missed_gates,
+        rule_share_line,
+        verdict_lines,
+    )
 
     for line in verdict_lines(load_outcomes(settings.run_dir)):  # 95% intervals over the evaluated tasks
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if (rule_share := rule_share_line(settings.run_dir)) is not None:
+        console.print(rule_share, markup=False, highlight=False, soft_wrap=True)
     for evaluation in evaluation_provenance(settings.run_dir):
         console.print(f"evaluated at {evaluation.describe()}", markup=False, highlight=False, soft_wrap=True)
     for line in missed_gates(settings.run_dir):

@@ -268,7 +268,7 @@ def test_a_ratio_of_arms_pairs_tasks_and_divides_their_pooled_success():
 
 
 def test_lesson_kinds_per_extractor_version_judge_each_lesson_against_its_episodes_signpost(tmp_path):
-    from pipeline.audit.learning import lesson_kinds
+    from pipeline.audit.learning import lesson_kinds, rule_share_line
     from schemas.experiences import ExperienceAdded
 
     env = "MiniHack-SignpostCorridor-v0"
@@ -300,3 +300,5 @@ def test_lesson_kinds_per_extractor_version_judge_each_lesson_against_its_episod
     assert [(v.version, v.counts) for v in found] == [
         (0, {"rule": 1, "instance": 1}), (1, {"wrong rule": 1, "over-general": 1, "none": 1})]
     assert found[0].share("rule") == 0.5 and found[1].share("rule") == 0.0 and found[1].lessons == 3
+    assert rule_share_line(tmp_path / "k") == ("lessons stating the rule, of revealing episodes: extractor version 0 "
+                                               "0.50 (1 of 2) -> version 1 0.00 (0 of 3)")
