@@ -24,12 +24,15 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.audit.stats import Estimate, bootstrap, bootstrap_independent, success_rate
 from pipeline.audit.views import Audit
-from pipeline.errors import InvalidArgumentError
+from pipeline.errors import ConfigError, InvalidArgumentError
 from schemas.training import WarmStartGateCheck
+
+if TYPE_CHECKING:
+    from pipeline.envs.base import TaskRule
 
 Pool = Literal["t", "r"]
 POOL_NAMES: dict[str, str] = {"t": "unseen", "r": "recurring"}
@@ -509,16 +512,37 @@ class ExtractorVersion:
         return self.successes / self.guided if self.guided else None
 
 
+TRUE_KINDS = ("rule", "instance", "over-general")
+"""In a family with a rule across tasks, the kinds of lesson that are true of the episode they were written from (an
+over-general side holds there, if not elsewhere)."""
+
+
+def _task_rule(env_id: str) -> TaskRule | None:
+    """The rule across tasks of `env_id`'s family, if it has one; None too for an env id this process does not know
+    (an archive of a worker type another package registers)."""
+    from pipeline.envs.registry import env_spec
+
+    try:
+        factory = env_spec(env_id).task_rule
+    except ConfigError:
+        return None
+    return factory() if factory is not None else None
+
+
 def extractor_versions(run_dir: Path) -> list[ExtractorVersion]:
-    """Per extractor version: the share of its lessons that state what their episode revealed (`LESSONS_SQL`) and
-    the success of the guided train episodes its lessons were served to (`GUIDED_BY_VERSION_SQL`)."""
+    """Per extractor version: the share of its lessons that state what their episode revealed (`LESSONS_SQL`: word
+    for word; in a family with a rule across tasks, as a lesson of a kind true of the episode, `TRUE_KINDS`) and the
+    success of the guided train episodes its lessons were served to (`GUIDED_BY_VERSION_SQL`)."""
     lessons: dict[int, list[bool]] = {}
     guided: dict[int, list[bool]] = {}
     with Audit(run_dir) as audit:
-        for version, text, revealed, _env_id in audit.query(LESSONS_SQL)[1]:
+        for version, text, revealed, env_id in audit.query(LESSONS_SQL)[1]:
             facts = json.loads(revealed) if isinstance(revealed, str) else list(revealed or [])
             if facts:
-                lessons.setdefault(int(version), []).append("; ".join(facts) in text)
+                rule = _task_rule(str(env_id))
+                stated = rule.kind_of(str(text), rule.rule_in(tuple(facts))) in TRUE_KINDS if rule is not None \
+                    else "; ".join(facts) in text
+                lessons.setdefault(int(version), []).append(stated)
         for version, success in audit.query(GUIDED_BY_VERSION_SQL)[1]:
             guided.setdefault(int(version), []).append(bool(success))
     return [ExtractorVersion(v, len(lessons.get(v, [])), sum(lessons.get(v, [])), len(guided.get(v, [])),
@@ -546,16 +570,13 @@ def lesson_kinds(run_dir: Path) -> list[LessonKinds]:
     """Per extractor version, the kinds of its lessons (adds and refines) of episodes that revealed something in
     families with a rule across tasks, judged against the rule the episode revealed (`TaskRule.rule_in`): what the
     extractor's outcome reward is to move toward the rule. Empty for families without one."""
-    from pipeline.envs.registry import env_spec
-
     counts: dict[int, dict[str, int]] = {}
     with Audit(run_dir) as audit:
         for version, text, revealed, env_id in audit.query(LESSONS_SQL)[1]:
-            factory = env_spec(str(env_id)).task_rule
+            rule = _task_rule(str(env_id))
             facts = tuple(json.loads(revealed) if isinstance(revealed, str) else list(revealed or []))
-            if factory is None or not facts:
+            if rule is None or not facts:
                 continue
-            rule = factory()
             kind = rule.kind_of(str(text), rule.rule_in(facts)) or "none"
             by_kind = counts.setdefault(int(version), {})
             by_kind[kind] = by_kind.get(kind, 0) + 1

@@ -268,7 +268,7 @@ def test_a_ratio_of_arms_pairs_tasks_and_divides_their_pooled_success():
 
 
 def test_lesson_kinds_per_extractor_version_judge_each_lesson_against_its_episodes_signpost(tmp_path):
-    from pipeline.audit.learning import lesson_kinds, rule_share_line
+    from pipeline.audit.learning import extractor_versions, lesson_kinds, rule_share_line
     from schemas.experiences import ExperienceAdded
 
     env = "MiniHack-SignpostCorridor-v0"
@@ -286,19 +286,26 @@ def test_lesson_kinds_per_extractor_version_judge_each_lesson_against_its_episod
 
     first, second = revealing(0, "west", "altar"), revealing(1, "east", "sink")
     silent = episode("run-k", 1, "train", 2, False, 9).model_copy(update={"env_id": env})
+    # an env id another package registers, unknown to this process: its lessons count by the word-for-word test
+    foreign = revealing(3, "west", "altar").model_copy(update={"env_id": "Plugin-Corridor-v0"})
     events = [
         RunStarted(**common("run-k"), config={"scheduler": {"arm": "complementary"}}, code_version="x"),
-        first, second, silent,
+        first, second, silent, foreign,
         lesson(0, 0, first.trajectory_id, "Solved in 3 actions. the staircase down is on the altar's side."),
         lesson(1, 0, second.trajectory_id, "Solved in 3 actions. staircase down: 3 east of the start."),
         lesson(2, 0, silent.trajectory_id, "Failed after 9 actions. Do not repeat west."),  # revealed nothing
         lesson(3, 1, second.trajectory_id, "Solved. the staircase down is on the altar's side."),  # not its signpost
         lesson(4, 1, second.trajectory_id, "Solved. the staircase down is always east of the start."),
         lesson(5, 1, first.trajectory_id, "Solved in 3 actions."),
+        lesson(6, 1, foreign.trajectory_id, "staircase down: 3 west of the start; on the staircase's side: altar"),
     ]
     found = lesson_kinds(archived(tmp_path / "k", events))
     assert [(v.version, v.counts) for v in found] == [
         (0, {"rule": 1, "instance": 1}), (1, {"wrong rule": 1, "over-general": 1, "none": 1})]
     assert found[0].share("rule") == 0.5 and found[1].share("rule") == 0.0 and found[1].lessons == 3
+    # beside them, what each version's lessons state that is true of their episode: the rule and the corridor's fact;
+    # then the over-general side and the foreign episode's facts word for word (a wrong rule and a bare outcome are
+    # not)
+    assert [(v.version, v.lessons, v.stating) for v in extractor_versions(tmp_path / "k")] == [(0, 2, 2), (1, 4, 2)]
     assert rule_share_line(tmp_path / "k") == ("lessons stating the rule, of revealing episodes: extractor version 0 "
                                                "0.50 (1 of 2) -> version 1 0.00 (0 of 3)")
