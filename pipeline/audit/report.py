@@ -581,9 +581,10 @@ def _source_block(name: str, source: Source, run_dirs: Sequence[Path]) -> str:
 LESSON_QUALITY_SOURCE = Source(
     (LESSONS_SQL, GUIDED_BY_VERSION_SQL),
     "Per run and extractor version: of the lessons it added or refined from episodes that revealed something (the "
-    "first query), the share that state what their episode revealed word for word (pipeline.audit.learning."
-    "extractor_versions) and, in a family with a rule across tasks, the share of each kind of lesson judged against "
-    "the rule the episode revealed (lesson_kinds); from the second query, the guided train episodes served one of "
+    "first query), the share that state what their episode revealed (pipeline.audit.learning.extractor_versions: "
+    "word for word; in a family with a rule across tasks, as a lesson of a kind true of the episode) and, in such a "
+    "family, the share of each kind of lesson judged against the rule the episode revealed (lesson_kinds); from the "
+    "second query, the guided train episodes served one of "
     "its lessons and their success.")
 LESSON_KINDS_SHOWN = ("rule", "instance", "over-general", "wrong rule")
 _QUALITY_COLUMNS = ("run", "extractor version", "lessons of revealing episodes", "state what was revealed",
