@@ -11,7 +11,7 @@ Every run is a real `crl run CONFIG --arm ARM` (embedded broker, every worker a 
 another (2 cores), and a run directory that already holds an archive is read instead of run again. The warm starts
 are computed into an empty cache of the benchmark's own (`OUT/warm-start-cache`) unless `--warm-start-cache DIR`
 names another, so every figure comes from the code as it is; the runs of one benchmark share it. A run whose warm
-start missed its gate (`warm_start.gate`) is not scored: the benchmark names it and exits. Three experiments:
+start missed its gate (`warm_start.gate`) is not scored: the benchmark names it and exits. Four experiments:
 
 - **room** (`configs/tiny-minihack-room.yaml`): can GRPO alone improve the actor? Arms `grpo` and `control` (the
   same run with every step a warm-up step: the actor never trains). Evaluated before training (step 0) and at the
@@ -37,6 +37,16 @@ start missed its gate (`warm_start.gate`) is not scored: the benchmark names it 
   of the frozen run, both distilling the same `--held-out` data episodes of unseen corridors with the same draws
   (paired per episode), and `extractor_guided_gain=`: guided eval success on the recurring corridors at the last
   evaluation, trained minus frozen (paired per corridor).
+- **signpost** (`configs/tiny-signpost-corridor.yaml`): do lessons carry over to unseen tasks, and does training the
+  extractor pay? Every figure is on unseen corridors (`--signpost-tasks`, each played `--signpost-repeats` times
+  guided and as often free) at the last evaluation. Arms `complementary`, `grpo`, `static_extractor`,
+  `extractor_trained` (`exp_only`: the actor frozen) and `extractor_frozen` (`frozen`), and the controls `flipped`
+  (`envs.signpost.flip_unseen`), `shuffled` (`retrieval.serve: other-task`) and `same_instance`
+  (`retrieval.min_similarity: 0.99`). Prints the kinds of lesson per extractor version and arm
+  (`rule_share_<arm>_v<version>=`), `frozen_actor_extractor_gain=` (guided, trained minus frozen extractor),
+  `coevolution_vs_static=` (guided, complementary over static_extractor), `unseen_guided_minus_free=`,
+  `internalization=` (free, complementary minus grpo), `flipped_guided_minus_free=`, `shuffled_unseen_gap=` and
+  `same_instance_unseen_gap=`, paired per corridor.
 
 Common random numbers: every arm of a seed plays the same task draws, and every episode samples from a stream keyed
 by the seed and the episode's identity (`pipeline.actor.episodes.turn_seed`), so the same slot of the same group
