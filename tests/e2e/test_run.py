@@ -6,24 +6,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from crl_process import crl, crl_run
 
 from pipeline.audit.views import Audit
 from pipeline.tracking.readback import mlflow_entries, tensorboard_entries, wandb_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-CRL = [sys.executable, "-m", "pipeline.cli"]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CRL, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +30,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2",
                 "CRL_ACTOR_TRAINER__WARMUP_STEPS": "2", "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2",
                 "CRL_ENVS__EVAL_TASKS_PER_ENV": "4"})
-    result = _crl("run", "configs/tiny-minihack-room.yaml", "--steps", "4", "--run-dir", str(run_dir), env=env,
-                  timeout=1200)
-    output = result.stdout + result.stderr
-    if result.returncode != 0:
-        logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
-        pytest.fail(f"crl run exited {result.returncode}:\n{output[-5000:]}\n{logs}")
+    output = crl_run("configs/tiny-minihack-room.yaml", 4, run_dir, env)
     return run_dir, env, output
 
 
@@ -106,10 +94,10 @@ def test_the_log_holds_the_whole_loop(finished_run):
 
 def test_replays_match_the_live_run(finished_run):
     run_dir, env, _output = finished_run
-    bank = _crl("replay", "bank", str(run_dir), env=env)
+    bank = crl("replay", "bank", str(run_dir), env=env)
     assert bank.returncode == 0, bank.stdout + bank.stderr
     assert "live SQL bank" in bank.stdout and "snapshot" in bank.stdout and "NO" not in bank.stdout
-    train = _crl("replay", "train", str(run_dir), env=env, timeout=600)
+    train = crl("replay", "train", str(run_dir), env=env, timeout=600)
     assert train.returncode == 0, train.stdout + train.stderr
     assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
 
@@ -120,7 +108,7 @@ def test_an_experience_with_two_versions_can_be_audited(finished_run):
         rows = audit.query("SELECT experience_id FROM experience_history GROUP BY experience_id "
                            "HAVING max(version) >= 2 ORDER BY experience_id")[1]
     assert rows, "no refine was applied: no experience has a second version"
-    audited = _crl("audit", "experience", str(run_dir), rows[0][0], env=env)
+    audited = crl("audit", "experience", str(run_dir), rows[0][0], env=env)
     assert audited.returncode == 0, audited.stdout + audited.stderr
     assert "v1  ExperienceAdded" in audited.stdout and "v2  ExperienceRefined" in audited.stdout
 
@@ -131,7 +119,7 @@ def test_the_report_is_written(finished_run, tmp_path):
     assert (report / "report.html").exists()
     pngs = sorted(report.glob("*.png"))
     assert len(pngs) >= 5 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    again = _crl("report", str(run_dir), "--out", str(tmp_path / "again"), env=env)
+    again = crl("report", str(run_dir), "--out", str(tmp_path / "again"), env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert (tmp_path / "again" / "report.html").exists()
 
@@ -171,10 +159,10 @@ def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl
     assert _same_entries({key: live[key] for key in live if "extractor/parse_ok" in key},
                          {f"scalar\textractor/parse_ok\t{step}": share for step, share in parsed}) == []
 
-    rebuilt = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
+    rebuilt = crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
     assert _same_entries(tensorboard_entries(tmp_path / "rebuilt" / "tensorboard"), live) == []
-    again = _crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
+    again = crl("track", str(run_dir), "--out", str(tmp_path / "rebuilt"), env=env)
     assert "wrote 0 entries" in again.stdout, "the ledger keeps a second load from writing anything twice"
 
 
@@ -186,7 +174,7 @@ def test_crl_track_loads_the_run_into_wandb_and_mlflow_with_the_same_scalars(fin
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    loaded = _crl("track", str(run_dir), "--backend", "wandb", "--backend", "mlflow", "--out", str(tmp_path), env=env)
+    loaded = crl("track", str(run_dir), "--backend", "wandb", "--backend", "mlflow", "--out", str(tmp_path), env=env)
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     live = tensorboard_entries(run_dir / "tensorboard")
     scalars = {key: value for key, value in live.items() if key.startswith("scalar")}

@@ -6,26 +6,19 @@ carry the lesson-quality panel."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from crl_process import crl, crl_run
 
 from pipeline.audit.learning import lesson_kinds
 from pipeline.audit.views import Audit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-CRL = [sys.executable, "-m", "pipeline.cli"]
-ROOT = Path(__file__).resolve().parents[2]
 # Short warm starts: what is checked here is the loop and its replays, not competence (docs/benchmarks.md has that).
 SHORT = {"CRL_ACTOR_TRAINER__WARM_START__STEPS": "40", "CRL_ACTOR_TRAINER__WARM_START__EPISODES": "48",
          "CRL_EXTRACTOR_TRAINER__WARM_START__STEPS": "200", "CRL_EXTRACTOR_TRAINER__WARM_START__EPISODES": "32"}
-
-
-def _crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CRL, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +31,7 @@ def signpost_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
                 "CRL_SCHEDULER__EVAL_EVERY": "2", "CRL_ENVS__EVAL_TASKS_PER_ENV": "4", "CRL_ENVS__EVAL_REPEATS": "2",
                 "CRL_ACTOR_TRAINER__WARM_START__CACHE_DIR": str(run_dir.parent / "warm-start"),
                 "CRL_EXTRACTOR_TRAINER__WARM_START__CACHE_DIR": str(run_dir.parent / "warm-start")})
-    result = _crl("run", "configs/tiny-signpost-corridor.yaml", "--steps", "3", "--run-dir", str(run_dir), env=env,
-                  timeout=1200)
-    output = result.stdout + result.stderr
-    if result.returncode != 0:
-        logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
-        pytest.fail(f"crl run exited {result.returncode}:\n{output[-5000:]}\n{logs}")
+    output = crl_run("configs/tiny-signpost-corridor.yaml", 3, run_dir, env)
     return run_dir, env, output
 
 
@@ -69,12 +57,12 @@ def test_the_run_evaluates_unseen_corridors_and_keys_lessons_by_goal_and_first_o
 
 def test_both_replays_match_and_the_report_has_the_lesson_quality_panel(signpost_run):
     run_dir, env, _output = signpost_run
-    bank = _crl("replay", "bank", str(run_dir), env=env)
+    bank = crl("replay", "bank", str(run_dir), env=env)
     assert bank.returncode == 0, bank.stdout + bank.stderr
     assert "live SQL bank" in bank.stdout and "NO" not in bank.stdout
-    train = _crl("replay", "train", str(run_dir), env=env, timeout=600)
+    train = crl("replay", "train", str(run_dir), env=env, timeout=600)
     assert train.returncode == 0, train.stdout + train.stderr
     assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
-    report = _crl("report", str(run_dir), env=env)
+    report = crl("report", str(run_dir), env=env)
     assert report.returncode == 0, report.stdout + report.stderr
     assert 'id="lesson-quality"' in (run_dir / "report" / "report.html").read_text()

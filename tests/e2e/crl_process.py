@@ -1,0 +1,31 @@
+"""`crl` as a subprocess from the repository root, for the end-to-end tests: one command, or a whole run that fails
+the test with the tail of its output and of every worker's log when it does not complete.
+
+    result = crl("replay", "bank", str(run_dir), env=env)
+    output = crl_run("configs/tiny-minihack-room.yaml", 4, run_dir, env)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CRL = [sys.executable, "-m", "pipeline.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CRL, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def crl_run(config: str, steps: int, run_dir: Path, env: dict[str, str], timeout: float = 1200) -> str:
+    """`crl run CONFIG --steps STEPS --run-dir RUN_DIR`; its output (stdout and stderr)."""
+    result = crl("run", config, "--steps", str(steps), "--run-dir", str(run_dir), env=env, timeout=timeout)
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        pytest.fail(f"crl run exited {result.returncode}:\n{output[-5000:]}\n{logs}")
+    return output
