@@ -75,15 +75,15 @@ class RunProgress:
             self.assigned[(event.step, event.split)].add(str(event.event_id))
             if event.split == "train":
                 self.step_started.setdefault(event.step, event.occurred_at)
+                self._check_step_finished(event.step)
         elif isinstance(event, TrajectoryCompleted):
             played = self.played[(event.step, event.split)]
             if event.assignment_event_id in played:
                 return  # the same episode again (re-delivered after a stop): counted once
             played.add(event.assignment_event_id)
             (self.train if event.split == "train" else self.evaluation)[event.step].append(event)
-            if event.split == "train" and event.step not in self.step_finished \
-                    and len(played) >= len(self.assigned[(event.step, "train")]) > 0:
-                self.step_finished[event.step] = event.occurred_at
+            if event.split == "train":
+                self._check_step_finished(event.step)
         elif isinstance(event, WarmStartProgressed):
             previous = self.warm.get(event.role)
             if event.phase == "train" and (previous is None or previous.phase != "train"):
@@ -107,6 +107,14 @@ class RunProgress:
                 self.extractor_reward = event.metrics.get("extractor/reward_mean")
             else:
                 self.actor_loss = event.loss
+
+    def _check_step_finished(self, step: int) -> None:
+        """A train step has finished once the episodes played are exactly those assigned: checked on both kinds of
+        record, since one read of several topics may bring a step's trajectories before its assignments. It finished
+        when the last of its episodes did."""
+        played, assigned = self.played[(step, "train")], self.assigned[(step, "train")]
+        if step not in self.step_finished and assigned and played == assigned:
+            self.step_finished[step] = max(t.occurred_at for t in self.train[step])
 
     @staticmethod
     def _success(trajectories: list[TrajectoryCompleted], guided: bool) -> float | None:

@@ -110,6 +110,16 @@ def test_a_step_shows_how_many_of_its_episodes_finished_and_the_eta_follows_meas
     assert numbers(progress, threading.Lock(), 4)["ETA"] == "done"
 
 
+def test_a_step_whose_episodes_are_read_before_its_assignments_still_finishes_when_its_last_episode_did():
+    # One read of several topics may bring a step's trajectories first (a busy machine, a view catching up).
+    progress = RunProgress("r")
+    step0 = [_assigned(0, slot) for slot in range(4)]
+    figures = _figures(progress, *(_played(a, True, 10 + i) for i, a in enumerate(step0)))
+    assert figures["ETA"] == "-", "no assignment read yet: nothing is known to have finished"
+    assert _figures(progress, *step0[:3])["ETA"] == "-", "four played, three assigned so far: not yet the step"
+    assert _figures(progress, step0[3])["ETA"] == "39s (3 steps x 13s)", "from its first assignment to 13 s"
+
+
 def test_the_live_table_shows_elapsed_time_and_the_eta_in_its_header(tmp_path):
     progress = RunProgress("r")
     figures = _figures(progress, _warm("actor", "train", 0, 250, 10.0), _warm("actor", "train", 100, 250, 60.0, 1.234))
