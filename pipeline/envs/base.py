@@ -98,6 +98,11 @@ class TaskRule(Protocol):
         """What the rule names in what an episode revealed (signpost corridors: the furnishing on the stairs'
         side), or None when it revealed nothing of it."""
 
+    def action_for(self, revealed: tuple[str, ...], kind: str) -> str:
+        """The action a lesson of `kind` written from `revealed` says to take at the start: a side for one task's
+        fact or an over-general one; for the rule, the action that names what the rule names (signpost corridors:
+        the furnishing, which walks its way), so following the rule is reading the lesson, not looking it up."""
+
 
 INVALID_NOTE_ACTIONS = 40
 """An invalid action's note lists the valid actions up to this many (ScienceWorld offers over a hundred)."""

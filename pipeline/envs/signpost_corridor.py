@@ -9,8 +9,11 @@ squares to one side), with two furnishings next to the start, one on each side: 
 grave. One of the four kinds, the run's *signpost* (`landmark`), stands in every corridor of the run, always on the
 stairs' side; the other furnishing is one of the other three kinds, drawn per corridor. Every observation says which
 stands on which side of the start (`By the start: altar west, fountain east`: they are next to the agent at the
-start, so visible in the dark, and the line stays the same as the agent moves) but not which kind is the signpost,
-and an episode that finds the stairs, or walks one side to its end, reveals the side and so which furnishing stood
+start, so visible in the dark, and the line stays the same as the agent moves) but not which kind is the signpost.
+Besides the compass directions the actions include both furnishings' names, and naming one walks a square its way:
+a lesson naming a furnishing is then followed by saying what it says, as one naming a side is (a tiny model that
+copies a side from a lesson did not learn to look a furnishing's side up in the observation). An episode that
+finds the stairs, or walks one side to its end, reveals the side and so which furnishing stood
 on it (`revealed()`: "staircase down: 5 west of the start" and "on the staircase's side: altar").
 
 So there are three kinds of lesson an extractor can write from one episode:
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from pipeline.envs.base import InvalidActionRule
+from pipeline.envs.base import ActResult, InvalidActionRule
 from pipeline.envs.dark_corridor import ADJECTIVES, CREATURES, DISTANCES, HALF_LENGTH, DarkCorridorEnv
 from pipeline.errors import ConfigError, InvalidArgumentError
 
@@ -188,6 +191,14 @@ class SignpostRule:
         signpost = next((m for m in map(_SIGNPOST_FACT.search, revealed) if m), None)
         return signpost.group(1) if signpost is not None else None
 
+    def action_for(self, revealed: tuple[str, ...], kind: str) -> str:
+        if kind == "rule" and (signpost := self.rule_in(revealed)) is not None:
+            return signpost
+        side = next((m for m in map(_SIDE_FACT.search, revealed) if m), None)
+        if side is None:
+            raise InvalidArgumentError(f"no side of the start in {revealed!r}")
+        return side.group(2)
+
 
 SIGNPOST_RULE = SignpostRule()
 
@@ -251,11 +262,23 @@ class SignpostCorridorEnv(DarkCorridorEnv):
         self.task = signpost_task(seed, self.landmark, flip_unseen=self.flip_unseen)
         return self._start_corridor(seed, self.task.name, self.task.offset, self._level_of(self.task))
 
+    def available_actions(self) -> tuple[str, ...]:
+        """The compass directions, and the two furnishings by the start: naming one walks a square its way."""
+        return (*super().available_actions(), self.task.west, self.task.east)
+
+    def _act(self, action: str) -> ActResult:
+        if action in FURNISHINGS:
+            action = "west" if action == self.task.west else "east"
+        return super()._act(action)
+
     def _describe(self, observation: dict[str, np.ndarray]) -> str:
-        """A dark corridor's observation with the furnishings by the start placed, the same line at every turn."""
+        """A dark corridor's observation with the furnishings by the start placed, the same line at every turn, and
+        the actions with both furnishings' names."""
         lines = super()._describe(observation).split("\n")
         at = next(i for i, line in enumerate(lines) if line.startswith("Legend: "))
         lines.insert(at, f"{BY_THE_START}{self.task.west} west, {self.task.east} east")
+        actions = next(i for i, line in enumerate(lines) if line.startswith("Actions: "))
+        lines[actions] = "Actions: " + ", ".join(self.available_actions())
         return "\n".join(lines)
 
     def revealed(self) -> tuple[str, ...]:

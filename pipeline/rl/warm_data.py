@@ -208,8 +208,9 @@ def actor_samples(episodes: Sequence[DataEpisode], history_turns: int, seed: int
     contradict the label half the time and teach the actor to distrust every lesson (retrieval's similarity floor
     keeps them from guided episodes too). In a family with a rule across tasks (`EnvSpec.task_rule`) the
     informative third is instead a lesson of any kind ('rule', 'instance', 'over-general') pointing either way, its
-    side drawn at random and labelled with that side: the actor learns to do what a lesson says, reading a rule's
-    landmark in the observation, so what a lesson is worth on an unseen task is whether it holds there. With
+    side drawn at random and labelled with the action it says to take (`TaskRule.action_for`: that side, or for a
+    rule the action naming its landmark): the actor learns to do what a lesson says, so what a lesson is worth on
+    an unseen task is whether it holds there. With
     `label_noise`, that share of the labels is an available action drawn at random instead: the actor imitates a
     noisy solver and starts competent but imperfect however long it trains, which leaves RL room."""
     from pipeline.actor.episodes import render_actor_prompt
@@ -255,7 +256,7 @@ def _pointing_lesson(rule: TaskRule, digest: TrajectoryDigest, rng: random.Rando
     side, distance, kind = rng.choice(rule.sides), rng.choice(rule.distances), rng.choice(rule.kinds)
     revealed = rule.revealed_for(digest.first_observation, side, distance)
     pointing = dataclasses.replace(digest, revealed=revealed, success=True, actions=(side,) * distance)
-    return lesson(pointing, max_chars, kind=kind), side
+    return lesson(pointing, max_chars, kind=kind), rule.action_for(revealed, kind)
 
 
 def _task_of(digest: TrajectoryDigest) -> tuple[str, str, str]:

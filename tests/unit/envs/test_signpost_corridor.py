@@ -65,6 +65,31 @@ def test_the_signpost_stands_on_the_stairs_side_of_every_corridor_and_an_episode
         env.close()
 
 
+def test_naming_a_furnishing_by_the_start_walks_its_way():
+    env = make_env(ENV_ID, _settings("fountain"))
+    try:
+        for seed in task_pool(ENV_ID, "eval", 6, 0):
+            task = signpost_task(seed, "fountain")
+            _, observation = env.reset(seed)
+            assert observation.splitlines()[-1].endswith(f", northwest, {task.west}, {task.east}")
+            assert env.available_actions()[-2:] == (task.west, task.east)
+            moves = 0
+            while not (outcome := env.step(" fountain\n")).done:  # the rule, followed by naming the signpost
+                assert outcome.info.action == "fountain" and _where(outcome.observation)["fountain"] == \
+                    ("east" if task.offset > 0 else "west")
+                moves += 1
+            assert outcome.info.success and moves + 1 == abs(task.offset)
+            env.reset(seed)
+            while not (outcome := env.step(task.other)).done:  # the other one: the far wall, a failure
+                pass
+            assert outcome.info.truncated and not outcome.info.success
+            env.reset(seed)
+            absent = next(kind for kind in FURNISHINGS if kind not in (task.west, task.east))
+            assert not env.step(absent).info.valid, "a furnishing not by the start is no action"
+    finally:
+        env.close()
+
+
 def test_the_flipped_control_turns_the_rule_around_on_unseen_corridors_only():
     env = make_env(ENV_ID, _settings("sink", flip_unseen=True))
     try:
