@@ -148,8 +148,10 @@ def test_the_tracker_wrote_tensorboard_files_that_agree_with_the_archive_and_crl
                  for step, guided, rate in rollout}
     expected |= {f"scalar\teval/success\t{step}": rate for step, rate in evaluation}
     assert _same_entries({key: live[key] for key in expected}, expected) == []
-    for step in (2, 3):  # the guided steps show the bank they were served from, and sample episodes
-        assert live[f"scalar\tbank/size\t{step}"] > 0 and f"text\trollout/samples\t{step}" in live
+    # the guided steps show the bank they were served from, and sample episodes; with no barrier before step 2 its
+    # bank can still be empty on a loaded machine (see the run's own test), not both steps'
+    assert all(f"text\trollout/samples\t{step}" in live for step in (2, 3))
+    assert max(live[f"scalar\tbank/size\t{step}"] for step in (2, 3)) > 0
     assert "served experience: " in live["text\trollout/samples\t3"]
     assert "text\trun/config\t0" in live  # (four steps are too few for the extractor trainer's first step)
     with Audit(run_dir) as audit:  # the share of each step's distillations that parsed
