@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK
 from pipeline.bank.replica import BankReplica
-from pipeline.bank.retrieval import query_text
+from pipeline.bank.retrieval import start_query
 from pipeline.errors import InvalidStateError, ParseError
 from pipeline.extractor.ops import (
     OpAuthor,
@@ -139,6 +139,8 @@ class Extractor(Worker):
         self.arm = settings.scheduler.arm
         self.run_id = settings.resolved_run_id
         self.embedding_model = settings.embedding.model
+        self.retrieval_key = settings.retrieval.key
+        """What of a trajectory's start keys the experiences it adds: the rollout workers key their queries alike."""
         self.producer = Producer(worker=self.name, instance=context.instance)
         self.follower = PolicyFollower(context.follow, "extractor")
         self.generation = self.settings.generation
@@ -373,7 +375,7 @@ class Extractor(Worker):
         adding = [t for t, (parsed, _) in zip(trajectories, parsed_all, strict=True)
                   if any(op.op == "add" for op in parsed)]
         keys = dict(zip([t.trajectory_id for t in adding], self._keys(
-            [query_text(t.goal, t.turns[0].observation if t.turns else "") for t in adding]), strict=True))
+            [start_query(t, self.retrieval_key) for t in adding]), strict=True))
         author = self._author()
         added = 0
         for trajectory, shown_t, generation, (parsed, error) in zip(trajectories, shown, generations, parsed_all,

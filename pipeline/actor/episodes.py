@@ -335,7 +335,7 @@ class EpisodePlayer:
                 started_episodes[index] = episode
             playing = [e for e in started_episodes.values() if not e.done and e.assignment.guided]
             if guided and playing:
-                self._request(playing, [e.observation for e in playing])
+                self._request(playing, [e.observation for e in playing], start=True)
         self.active += [started_episodes[index] for index in range(len(assignments))]
 
     def take_failed(self) -> list[TrajectoryCompleted]:
@@ -352,23 +352,25 @@ class EpisodePlayer:
         episode.done, episode.success, episode.env_error = True, False, str(exc)
         episode.outcome_reward = episode.env.failure_reward
 
-    def _request(self, episodes: list[Episode], questions: list[str]) -> None:
-        """Queue one retrieval per episode (its start query, or the question it asked); they wait for it."""
+    def _request(self, episodes: list[Episode], questions: list[str], *, start: bool) -> None:
+        """Queue one retrieval per episode (`start`: its start query, keyed as `retrieval.key` says, from its first
+        observation; else the question it asked, with its goal); they wait for it."""
         from pipeline.bank.retrieval import Query, query_text
 
         if self.retriever is None:
             raise InvalidStateError("guided episodes need a retriever")
+        key = self.retriever.settings.key if start else "goal-and-first-observation"
         if self.deterministic:
             for episode, question in zip(episodes, questions, strict=True):
                 future: Future[Retrieval] = Future()
-                query = Query(query_text(episode.goal, question), episode.assignment.task_family,
+                query = Query(query_text(episode.goal, question, key), episode.assignment.task_family,
                               episode.assignment.step)
                 # a start retrieval is diversified by the slot (guided slots come first); an ask as if alone
                 future.set_result(self.retriever.retrieve_slot(query, 0 if episode.turns else episode.assignment.slot))
                 episode.pending, episode.pending_since = future, time.monotonic()
             return
         futures = self.background.submit(self.retriever, [
-            Query(query_text(e.goal, q), e.assignment.task_family, e.assignment.step)
+            Query(query_text(e.goal, q, key), e.assignment.task_family, e.assignment.step)
             for e, q in zip(episodes, questions, strict=True)])
         now = time.monotonic()
         for episode, future in zip(episodes, futures, strict=True):
@@ -494,7 +496,7 @@ class EpisodePlayer:
                 response_token_ids=generation.token_ids, sampling_logprobs=generation.logprobs,
                 response_text=response, action=action, valid=valid, reward=reward))
         if questions:
-            self._request([e for e, _ in questions], [q for _, q in questions])
+            self._request([e for e, _ in questions], [q for _, q in questions], start=False)
         finished = [e for e in self.active if e.done]
         self.active = [e for e in self.active if not e.done]
         self.policy.end_sessions(e.assignment.event_id for e in finished)

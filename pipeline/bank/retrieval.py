@@ -6,8 +6,9 @@
     retriever.close()
 
 How one query is served (the paper's retrieval and its diversification stabiliser; docs/design.md):
-1. Query: `query_text(goal, first_observation)`, embedded with the bank's sentence encoder (unit vectors). The same
-   text keys the experiences an episode adds, so a query meets the experiences learnt on similar starts.
+1. Query: `query_text(goal, first_observation, key)` (`retrieval.key`: both, as the paper's code keys it, or either
+   alone), embedded with the bank's sentence encoder (unit vectors). The same text keys the experiences an episode
+   adds, so a query meets the experiences learnt on similar starts.
 2. Candidates: the `top_k * oversample` nearest experiences of the query's task family by cosine similarity
    (`LocalBank.search_candidates`; the index keeps one structure per family, so the family filter is the search).
 3. Margin: only candidates whose similarity is within `similarity_margin` of the best one's stay eligible (the
@@ -49,14 +50,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, get_args
 
 import numpy as np
 
 from pipeline.bank.replica import Candidate, LocalBank
-from pipeline.bank.settings import RetrievalSettings
+from pipeline.bank.settings import RetrievalKey, RetrievalSettings
 from pipeline.errors import InvalidArgumentError, InvalidStateError
-from schemas.trajectories import ExperienceRef
+from schemas.trajectories import ExperienceRef, TrajectoryCompleted
 
 
 class SentenceEncoder(Protocol):
@@ -98,19 +99,36 @@ class Retrieval:
     """Next experience-op offset the bank had applied when it served these (TrajectoryCompleted.bank_offset)."""
 
 
-def query_text(goal: str, first_observation: str) -> str:
-    """The retrieval query of an episode: its goal and its first observation, one labelled line each.
+def query_text(goal: str, first_observation: str, key: RetrievalKey = "goal-and-first-observation") -> str:
+    """The retrieval query of an episode: by default (`retrieval.key`) its goal and its first observation, one
+    labelled line each, as the paper's code keys it; `key="goal"` the goal line alone, `"first-observation"` the
+    observation line alone.
 
-    Experiences are keyed by this same text of the episode they came from, so both sides must build it here.
+    Experiences are keyed by this same text of the episode they came from, so both sides must build it here, with
+    the run's one `retrieval.key`.
     """
-    return f"Goal: {goal.strip()}\nObservation: {first_observation.strip()}"
+    goal_line, observation_line = f"Goal: {goal.strip()}", f"Observation: {first_observation.strip()}"
+    if key == "goal":
+        return goal_line
+    if key == "first-observation":
+        return observation_line
+    if key != "goal-and-first-observation":
+        raise InvalidArgumentError(f"unknown retrieval key {key!r}; valid values: {', '.join(get_args(RetrievalKey))}")
+    return f"{goal_line}\n{observation_line}"
+
+
+def start_query(trajectory: TrajectoryCompleted, key: RetrievalKey = "goal-and-first-observation") -> str:
+    """The start query of the episode `trajectory` records (`query_text` of its goal and first observation): what
+    keys an experience learnt from it, so that a later episode starting alike is served it."""
+    return query_text(trajectory.goal, trajectory.turns[0].observation if trajectory.turns else "", key)
 
 
 class Query(NamedTuple):
     """One episode's retrieval request."""
 
     text: str
-    """`query_text(goal, first_observation)`, or a question the episode asked."""
+    """`query_text(goal, first_observation, key)`, or `query_text(goal, question)` for a question the episode
+    asked."""
     task_family: str
     step: int = 0
     """Training step of the episode: recency is counted in steps."""

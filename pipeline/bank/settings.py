@@ -57,6 +57,10 @@ class EmbeddingSettings(BaseModel):
     )
 
 
+RetrievalKey = Literal["goal-and-first-observation", "goal", "first-observation"]
+"""What of an episode's start keys retrieval (`pipeline.bank.retrieval.query_text`)."""
+
+
 class RetrievalSettings(BaseModel):
     """How experiences are retrieved for guided episodes (paper: top-1, B=16, t_max 1 ms, x16, lambda 0.4, a 300 s
     recency window; here recency counts training steps and a similarity margin bounds the diversification)."""
@@ -78,6 +82,13 @@ class RetrievalSettings(BaseModel):
                              "another task's")
         return self
 
+    key: RetrievalKey = Field(
+        default="goal-and-first-observation",
+        description="What keys an episode's start query and the experiences it adds: 'goal-and-first-observation' "
+        "(as the paper's code keys them: lessons reach the tasks whose start reads alike), 'goal' (every task of "
+        "one goal text shares its lessons) or 'first-observation' (tasks that start alike share, whatever their "
+        "goal). A question an episode asks is always keyed with its goal.",
+    )
     top_k: int = Field(default=1, ge=1, description="Experiences served per guided episode (the paper shows one).")
     max_batch: int = Field(
         default=16, ge=1, description="Most concurrent queries the batcher serves with one encode and one search."

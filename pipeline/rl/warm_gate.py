@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.settings import RolloutSettings
 from pipeline.bank.retrieval import Query, Retrieval, RetrievedExperience, query_text
+from pipeline.bank.settings import RetrievalSettings
 from pipeline.envs.base import reversed_directions
 from pipeline.envs.registry import env_spec
 from pipeline.envs.settings import EnvSettings, TaskMix
@@ -158,7 +159,9 @@ def extractor_gate(policy: PolicyModel, warm: WarmStartSettings, tasks: Sequence
 
 class FixedLessons:
     """A retriever that serves each task the lesson written for it (the player's `retrieve_many` interface), keyed
-    by the task's retrieval query (`query_text`)."""
+    by the task's retrieval query (`query_text`, the default key)."""
+
+    settings = RetrievalSettings()
 
     def __init__(self, lessons: Mapping[str, str]) -> None:
         self.lessons = lessons

@@ -19,6 +19,7 @@ from pipeline.actor.settings import RolloutSettings
 from pipeline.bank.embeddings import load_sentence_encoder
 from pipeline.bank.replica import LocalBank
 from pipeline.bank.retrieval import Retriever, query_text
+from pipeline.bank.settings import RetrievalSettings
 from pipeline.envs.registry import make_env
 from pipeline.envs.settings import EnvSettings
 from pipeline.models import TinyModelSettings, build_tiny
@@ -163,3 +164,33 @@ def test_the_loop_waits_only_when_every_episode_waits_and_no_longer_than_the_wai
     finally:
         encoder.gate.set()
         player.close()
+
+
+class RecordingEncoder:
+    """The real encoder; keeps every sentence it was asked to encode."""
+
+    def __init__(self) -> None:
+        self.sentences: list[str] = []
+
+    def encode(self, sentences: list[str], /, **kwargs: Any) -> Any:
+        self.sentences += sentences
+        return _encoder().encode(sentences, **kwargs)
+
+
+@pytest.mark.parametrize("key", ["goal-and-first-observation", "goal", "first-observation"])
+def test_a_start_query_is_keyed_as_the_retrieval_key_setting_says(key):
+    goal, observation = make_env(ROOM, EnvSettings()).reset(11)
+    encoder = RecordingEncoder()
+    player = EpisodePlayer(RolloutSettings(generation=GenerationSettings(max_new_tokens=4, micro_batch=8)),
+                           EnvSettings(), run_id=RUN, producer=Producer(worker="rollout", instance="r-0"),
+                           retriever=Retriever(_bank(), encoder, RetrievalSettings(key=key)))
+    player.policy, player.version = _policy(), 0
+    try:
+        player.start([_assignment(0, guided=True)])
+        while player.active:
+            player.play_turn()
+    finally:
+        player.close()
+    assert encoder.sentences == [query_text(goal, observation, key)]
+    assert encoder.sentences[0].startswith("Goal: " if key != "first-observation" else "Observation: ")
+    assert ("Observation: " in encoder.sentences[0]) == (key != "goal")

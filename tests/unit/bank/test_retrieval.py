@@ -23,8 +23,10 @@ from pipeline.bank.retrieval import (
     ServeRecord,
     diversify,
     query_text,
+    start_query,
 )
 from pipeline.bank.synthetic import FAMILIES, embedding_like, synthetic_op_log
+from pipeline.errors import InvalidArgumentError
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.experiences import ExperienceAdded, ExperienceRefined
@@ -387,6 +389,17 @@ def test_settings_reject_bad_values_and_stay_frozen() -> None:
 def test_query_text_is_goal_then_first_observation() -> None:
     assert query_text(" Reach the stairs. ", "You see a dark room.\n") == (
         "Goal: Reach the stairs.\nObservation: You see a dark room.")
+    assert RetrievalSettings().key == "goal-and-first-observation"  # the paper's code's key is the default
+
+
+def test_the_key_setting_keeps_the_goal_or_the_first_observation_alone() -> None:
+    assert query_text(" Reach the stairs. ", "You see a dark room.\n", "goal") == "Goal: Reach the stairs."
+    assert query_text(" Reach the stairs. ", "You see a dark room.\n", "first-observation") == (
+        "Observation: You see a dark room.")
+    with pytest.raises(InvalidArgumentError, match="unknown retrieval key 'task'; valid values: goal-and-first"):
+        query_text("Reach the stairs.", "You see a dark room.", "task")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="key"):
+        RetrievalSettings(key="task")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- the real encoder
@@ -490,3 +503,17 @@ def test_a_merge_keyed_by_its_sources_is_found_by_their_queries_where_one_keyed_
         assert next(iter(found)) == "m", "the merge is the nearest lesson to every corridor's query"
         text_found = dict(brute_force(bank_of([*ops, by_text]), vector, "corridor", 2))
         assert found["m"] > text_found.get("m", -1.0) + 0.1, "keyed by its text, the merge is far from any query"
+
+
+def test_an_added_experience_is_keyed_by_its_trajectorys_start_as_the_queries_are() -> None:
+    from pipeline.models import TinyModelSettings, build_tiny
+    from pipeline.rl.synthetic import synthetic_trajectories
+
+    tiny = TinyModelSettings(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, corpus_episodes=2)
+    trajectory = synthetic_trajectories(build_tiny(tiny), run_id="r", step=0, groups=1, group_size=1, seed=3)[0]
+    first = trajectory.turns[0].observation
+    for key in ("goal-and-first-observation", "goal", "first-observation"):
+        assert start_query(trajectory, key) == query_text(trajectory.goal, first, key)
+    assert start_query(trajectory) == f"Goal: {trajectory.goal.strip()}\nObservation: {first.strip()}"
+    assert start_query(trajectory.model_copy(update={"turns": ()}), "first-observation") == "Observation: "
