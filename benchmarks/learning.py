@@ -150,7 +150,9 @@ EXPERIMENTS = {
 }
 
 
-def run(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, run_dir: Path, steps: int) -> None:
+def run_env(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, steps: int) -> dict[str, str]:
+    """The environment of one run of `arm`: the process's own without its `CRL_*` variables, then the seeds, the
+    evaluation pools, the shared warm-start cache, the arm's own settings and the `--set` ones, in that order."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     # common random numbers: one sampling seed for every arm; --independent-draws gives each arm its own
     draws = seed + 1000 * (1 + experiment.arms.index(arm)) if args.independent_draws else seed
@@ -173,6 +175,11 @@ def run(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, r
                     "CRL_ENVS__EVAL_TASKS_PER_ENV": str(args.unseen_tasks)})
     env.update({key: value.format(steps=steps) for key, value in arm.env.items()})
     env.update(dict(setting.split("=", 1) for setting in args.set))
+    return env
+
+
+def run(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespace, run_dir: Path, steps: int) -> None:
+    env = run_env(experiment, arm, seed, args, steps)
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(experiment.config), "--arm", arm.arm,
                              "--steps", str(steps), "--run-dir", str(run_dir), "--no-report"],
@@ -383,7 +390,9 @@ def held_out_right_share_gain(trained: list[RunOutcomes], frozen: list[RunOutcom
     return bootstrap(by_seed, lambda units: sum(a - b for a, b in units) / len(units), resamples=resamples)
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked, with `--quick`'s sizes applied, the runs' directory (`out`) and the warm-start
+    cache resolved."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
     parser.add_argument("--seeds", type=int, default=5)
@@ -415,7 +424,7 @@ def main() -> None:
                         "numbers).")
     parser.add_argument("--deterministic", action="store_true",
                         help="Run every run in deterministic mode (scheduler.deterministic, lock step).")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for setting in args.set:
         if not setting.startswith("CRL_") or "=" not in setting:
             parser.error(f"--set takes CRL_KEY=VALUE, got {setting!r}")
@@ -423,9 +432,15 @@ def main() -> None:
         args.seeds, args.steps, args.eval_tasks, args.eval_repeats, args.unseen_tasks, args.held_out = \
             1, 3, 32, 2, 2, 32
         args.signpost_tasks, args.signpost_repeats = 8, 2
+    args.out = args.out or ROOT / "runs" / f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.warm_start_cache = (args.warm_start_cache or args.out / "warm-start-cache").resolve()
+    return args
+
+
+def main() -> None:
+    args = arguments()
     check = not args.quick and args.seeds >= 5
-    out = args.out or ROOT / "runs" / f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
-    args.warm_start_cache = (args.warm_start_cache or out / "warm-start-cache").resolve()
+    out = args.out
     from pipeline.audit.learning import (
         arm_difference,
         eval_rise,
