@@ -5,8 +5,9 @@
 Join: a guided train episode lists the experiences it was served with the generation that wrote each served version
 (`TrajectoryCompleted.retrieved[].generation_id`); it gives that generation +1 on success and -1 on failure. A
 generation that produced experiences (`ExtractionGenerated`, parse status ok) is a sample; its reward is the mean over
-the episodes it guided so far. A sample joins the buffer when it holds outcomes it has not been trained on; once the
-buffer holds `buffer_size` samples (paper 64) the oldest ones form a batch: `A_i = (r_i - mean r) * w_i`, with
+the episodes it guided so far (with `parse_error_reward` set, a rejected answer is a sample too, of that reward). A
+sample joins the buffer when it holds outcomes it has not been trained on; once the buffer holds `buffer_size`
+samples (paper 64) the oldest ones form a batch: `A_i = (r_i - mean r) * w_i`, with
 `w_i = (1 + train_count_i)^(-alpha)`, or 0 if trained less than `delta` steps ago (Eq. 7), and one CISPO step against
 the sampling log-probs recorded in the event. Checkpoint, then `PolicyPublished(extractor)` and `TrainStepCompleted`
 (with each sample's reward, advantage and outcome count, so `crl replay train` re-runs it exactly).
@@ -91,7 +92,7 @@ class ExtractorTrainer(Worker):
                                      temperature=context.settings.extractor.generation.temperature)
         settings = context.settings
         self.deterministic = settings.scheduler.deterministic
-        self.join = ExtractorJoin(canonical=self.deterministic)
+        self.join = ExtractorJoin(canonical=self.deterministic, parse_error_reward=self.settings.parse_error_reward)
         self._started: float | None = None
         self.schedule = settings.schedule()
         self.steps = settings.scheduler.steps

@@ -9,8 +9,9 @@ lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: 
 step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded
 ones. The actor's advantages are recomputed from the trajectories and must equal the recorded ones; the extractor's
 depend on which outcomes had arrived when it trained, so the recorded ones are used. An extractor batch event is the
-copy the trainer's join kept (`pipeline.rl.batching.trained_copies`: the first one on the log whose parse status is ok),
-not merely the first record of its id. The first mismatch stops the replay and names the step.
+copy the trainer's join kept (`pipeline.rl.batching.trained_copies`: the first one on the log whose parse status is ok,
+or parse_error when the recorded trainer settings gave rejected answers a reward), not merely the first record of its
+id. The first mismatch stops the replay and names the step.
 """
 
 from __future__ import annotations
@@ -101,14 +102,13 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
         steps = sorted({e.policy_version: e for e in _archived(audit, "TrainStepCompleted", TRAIN_STEPS)
                         if isinstance(e, TrainStepCompleted) and e.role == role}.values(),
                        key=lambda e: e.policy_version)
+        batch_events: dict[str, Event] = {}
+        copies: list[ExtractionGenerated] = []
         if role == "actor":
-            batch_events: dict[str, Event] = {str(e.event_id): e for e in _archived(
-                audit, "TrajectoryCompleted", TRAJECTORIES)}
+            batch_events = {str(e.event_id): e for e in _archived(audit, "TrajectoryCompleted", TRAJECTORIES)}
         else:
-            # Not the first copy of each id (the `events` view) but the one the trainer's join kept: a generation
-            # distilled again is published again under its id, and a copy that is not a sample never joined.
-            batch_events = dict(trained_copies(e for e in _every_copy(audit, "ExtractionGenerated", EXTRACTIONS)
-                                               if isinstance(e, ExtractionGenerated)))
+            copies = [e for e in _every_copy(audit, "ExtractionGenerated", EXTRACTIONS)
+                      if isinstance(e, ExtractionGenerated)]
     if 0 not in policies:
         report.problem = f"no PolicyPublished(role={role}, version=0) in the archive of {run_dir}"
         return report
@@ -120,6 +120,10 @@ def replay_training(run_dir: Path, role: Role, on_step: Callable[[StepCheck], No
     temperature = float(metadata.get("temperature", recorded_trainer.pop("temperature", 1.0)))
     recorded_trainer.pop("temperature", None)
     settings: TrainerSettings = settings_type.model_validate(recorded_trainer)
+    if isinstance(settings, ExtractorTrainerSettings):
+        # Not the first copy of each id (the `events` view) but the one the trainer's join kept: a generation
+        # distilled again is published again under its id, and a copy that is not a sample never joined.
+        batch_events = dict(trained_copies(copies, parse_errors=settings.parse_error_reward is not None))
     update = TrainerStep.resumed(initial, settings, temperature)  # what the trainer built from the same checkpoint
     policy = update.policy  # with its LoRA adapter when the run trained one
     ranks: ReplayRanks | None = None

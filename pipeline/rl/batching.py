@@ -5,7 +5,8 @@
   dropped and listed); the batch is in canonical (group, slot) order.
 - `ExtractorJoin` (extractor, CISPO): joins every `ExtractionGenerated` with the outcomes of the guided train
   episodes that were served its experiences, and forms a batch of the oldest `buffer_size` generations with new
-  outcomes: reward = mean outcome, advantage = (r - mean r) * Eq. 7 weight.
+  outcomes: reward = mean outcome, advantage = (r - mean r) * Eq. 7 weight. With `parse_error_reward` set, a
+  rejected answer is a sample too, its one outcome that reward.
 """
 
 from __future__ import annotations
@@ -105,12 +106,18 @@ class StepCollector:
         return lowest
 
 
-def is_sample(event: ExtractionGenerated) -> bool:
-    """Whether a generation is an extractor sample: it produced experiences (parse status ok)."""
-    return event.parse_status == "ok"
+def is_sample(event: ExtractionGenerated, parse_errors: bool = False) -> bool:
+    """Whether a generation is an extractor sample: it produced experiences (parse status ok), or, with
+    `parse_errors` (the trainer's `parse_error_reward` set), its answer was rejected by the parser."""
+    return event.parse_status == "ok" or (parse_errors and event.parse_status == "parse_error")
 
 
-def trained_copies(events: Iterable[ExtractionGenerated]) -> dict[str, ExtractionGenerated]:
+PARSE_ERROR = "parse-error"
+"""The outcome key of a rejected answer's own reward in `ExtractorJoin.outcomes` (no trajectory has this id)."""
+
+
+def trained_copies(events: Iterable[ExtractionGenerated],
+                   parse_errors: bool = False) -> dict[str, ExtractionGenerated]:
     """By event id, the copy of each generation `ExtractorJoin` keeps from `events` in log order: the first one that
     is a sample. A generation's event id is derived from its generation id, so an extractor that distils a
     trajectory again (a re-delivered trajectory, a restart) publishes it again under the same id with what it samples
@@ -118,7 +125,7 @@ def trained_copies(events: Iterable[ExtractionGenerated]) -> dict[str, Extractio
     copy a step trained on is not always the first one on the log; what `crl replay train` must rebuild is this one."""
     kept: dict[str, ExtractionGenerated] = {}
     for event in events:
-        if is_sample(event):
+        if is_sample(event, parse_errors):
             kept.setdefault(str(event.event_id), event)
     return kept
 
@@ -147,20 +154,28 @@ class ExtractorBatch:
 class ExtractorJoin:
     """Generations, the outcomes credited to them, and which were trained: all rebuilt from events."""
 
-    def __init__(self, canonical: bool = False) -> None:
+    def __init__(self, canonical: bool = False, parse_error_reward: float | None = None) -> None:
         """canonical: order samples by (step, generation id) rather than by arrival, so which generations form a
-        batch does not depend on when they were read (deterministic mode)."""
+        batch does not depend on when they were read (deterministic mode).
+
+        parse_error_reward: when set, a generation whose answer the parser rejected is a sample too, with this one
+        outcome, known when it is read: its tokens are pushed down like those of a lesson that failed, so the
+        answer format is not left to drift (otherwise nothing of a rejected answer is ever trained). Its outcome
+        counts from the step after the one it distilled, by which the deterministic trainer has read every
+        generation of that step."""
         self.canonical = canonical
+        self.parse_error_reward = parse_error_reward
         self.generations: dict[str, _Generation] = {}  # by ExtractionGenerated event id
         self.by_generation_id: dict[str, str] = {}
         self.outcomes: dict[str, dict[str, float]] = {}  # generation id -> trajectory id -> +1 / -1
         self.trajectory_steps: dict[str, int] = {}  # trajectory id -> scheduler step, of those credited
         self.trained: dict[str, list[tuple[int, int]]] = {}  # event id -> [(step, outcomes)] seen before the event
+        self.rejected: dict[str, int] = {}  # generation id of a rejected answer -> the step its outcome counts from
         self._arrivals = 0
 
     def add_extraction(self, event: ExtractionGenerated) -> None:
-        if not is_sample(event) or str(event.event_id) in self.generations:
-            return  # only generations that produced experiences are samples; re-deliveries count once
+        if not is_sample(event, self.parse_error_reward is not None) or str(event.event_id) in self.generations:
+            return  # only generations that produced experiences (or were rejected) are samples; copies count once
         key = str(event.event_id)
         self._arrivals += 1
         order = ((-1 if event.step is None else event.step, event.generation_id) if self.canonical
@@ -168,6 +183,9 @@ class ExtractorJoin:
         generation = _Generation(event, order)
         self.generations[key] = generation
         self.by_generation_id[event.generation_id] = key
+        if event.parse_status == "parse_error" and self.parse_error_reward is not None:
+            self.outcomes.setdefault(event.generation_id, {})[PARSE_ERROR] = self.parse_error_reward
+            self.rejected[event.generation_id] = -1 if event.step is None else event.step + 1
         for step, outcomes in self.trained.pop(key, []):
             self._mark(generation, step, outcomes)
 
@@ -200,7 +218,8 @@ class ExtractorJoin:
         outcomes = self.outcomes.get(generation_id, {})
         if through is None:
             return outcomes
-        return {t: o for t, o in outcomes.items() if self.trajectory_steps[t] <= through}
+        return {t: o for t, o in outcomes.items()
+                if (self.rejected[generation_id] if t == PARSE_ERROR else self.trajectory_steps[t]) <= through}
 
     def ready(self, through: int | None = None) -> list[str]:
         """Samples with outcomes they were not trained on yet, oldest first; `through`: counting only the outcomes

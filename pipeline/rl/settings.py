@@ -168,6 +168,11 @@ class ExtractorTrainerSettings(TrainerSettings):
     buffer_size: int = Field(default=64, gt=0, description="Rewarded generations per CISPO step (paper 64).")
     count_alpha: float = Field(default=0.5, ge=0, description="Eq. 7: weight (1 + train_count)^(-alpha).")
     count_delta: int = Field(default=1, ge=0, description="Eq. 7: weight 0 if trained less than delta steps ago.")
+    parse_error_reward: float | None = Field(
+        default=None, ge=-1, le=1,
+        description="The reward of an answer the parser rejected, which then joins a batch like any sample (-1: "
+        "what a lesson that failed earns). None (the paper): only answers that produced experiences are samples, "
+        "so nothing pushes a drifting answer format back.")
     warm_start: WarmStartSettings = Field(
         default_factory=WarmStartSettings,
         description="Fine-tuning on a rule-based summariser's ops before version 0 (tiny CPU preset; 0 steps = off).")

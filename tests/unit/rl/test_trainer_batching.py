@@ -226,3 +226,54 @@ def test_a_refined_lessons_outcomes_go_to_the_generation_that_wrote_the_version_
     join.add_trajectory(trajectory(3, "h", 0, success=True, guided=True, served=("g-add", "g-add")))
     join.add_trajectory(trajectory(3, "h", 1, success=True, guided=True, served=("g-refine",), split="eval"))
     assert {g: len(o) for g, o in join.outcomes.items()} == {"g-add": 3, "g-refine": 2}
+
+
+def test_a_rejected_answer_is_a_sample_of_the_parse_error_reward_when_one_is_set():
+    """gx's answer was rejected (parse_error); ga guided a success (+1), gb a failure (-1). With parse_error_reward -1,
+    gx is ready at once with reward -1 from its one outcome: rewards (+1, -1, -1), mean -1/3, advantages +4/3, -2/3,
+    -2/3. It is trained once: no episode can ever credit it again. Without the setting it never joins (the paper)."""
+    events = {g: extraction(g) for g in ("ga", "gb")} | {"gx": extraction("gx", "parse_error")}
+    join = ExtractorJoin(parse_error_reward=-1.0)
+    for event in events.values():
+        join.add_extraction(event)
+    assert join.ready() == [str(events["gx"].event_id)]
+    join.add_trajectory(trajectory(1, "g", 0, success=True, guided=True, served=("ga",)))
+    join.add_trajectory(trajectory(1, "g", 1, success=False, guided=True, served=("gb",)))
+    batch = join.batch(step=1, size=3, alpha=0.5, delta=1)
+    assert batch is not None
+    by_generation = {join.generations[e].event.generation_id: i for i, e in enumerate(batch.event_ids)}
+    assert [batch.rewards[by_generation[g]] for g in ("ga", "gb", "gx")] == [1.0, -1.0, -1.0]
+    assert [batch.advantages[by_generation[g]] for g in ("ga", "gb", "gx")] == pytest.approx([4 / 3, -2 / 3, -2 / 3])
+    assert batch.outcome_counts[by_generation["gx"]] == 1
+    join.add_train_step(TrainStepCompleted(
+        run_id="r", producer=WHO, role="extractor", step=1, policy_version=1, batch_event_ids=batch.event_ids,
+        weight_hash_before="0" * 64, weight_hash_after="1" * 64, loss=0.0, tokens=6, loss_variant="cispo",
+        aggregation="token-mean", rewards=batch.rewards, advantages=batch.advantages,
+        outcome_counts=batch.outcome_counts))
+    assert join.ready() == []
+    paper = ExtractorJoin()
+    paper.add_extraction(events["gx"])
+    assert paper.generations == {} and paper.ready() == []
+
+
+def test_a_rejected_answer_counts_from_the_step_after_the_one_it_distilled_in_a_canonical_join():
+    """Deterministic mode settles step s once it has read every generation of step s - 1: a rejected answer of a
+    step-2 trajectory counts from step 3 on, so which batch takes it does not depend on when it was read."""
+    join = ExtractorJoin(canonical=True, parse_error_reward=-1.0)
+    rejected = extraction("r-s2-x", "parse_error").model_copy(update={"step": 2})
+    join.add_extraction(rejected)
+    assert join.ready(through=2) == [] and join.ready(through=3) == [str(rejected.event_id)]
+
+
+def test_the_replay_keeps_the_copy_the_join_kept_with_or_without_the_parse_error_reward():
+    from pipeline.rl.batching import trained_copies
+
+    ok = extraction("ga")
+    # a generation distilled again is published again under its id, with what it sampled then
+    rejected = extraction("ga", "parse_error").model_copy(update={"event_id": ok.event_id})
+    assert trained_copies([rejected, ok])[str(ok.event_id)] is ok
+    assert trained_copies([rejected, ok], parse_errors=True)[str(ok.event_id)] is rejected
+    join = ExtractorJoin(parse_error_reward=-1.0)
+    join.add_extraction(rejected)
+    join.add_extraction(ok)
+    assert join.generations[str(ok.event_id)].event is rejected
