@@ -69,6 +69,7 @@ class MemoryInput:
         self.journal = journal
         self.committed: dict[Position, int] = {}
         self.revoked: set[Position] = set()  # partitions a test moved to "another member"
+        self.tenures: dict[Position, int] = {}  # partitions a test assigned again (tenure 0 until then)
 
     def poll(self, timeout_ms: int) -> list[Record]:
         batch = self._records[self._next : self._next + self.batch_size]
@@ -81,6 +82,14 @@ class MemoryInput:
 
     def owns(self, position: Position) -> bool:
         return position not in self.revoked
+
+    def tenure(self, position: Position) -> int | None:
+        return None if position in self.revoked else self.tenures.get(position, 0)
+
+    def assign_again(self, position: Position) -> None:
+        """A rebalance gave `position` back to this member (a new tenure); its records are not delivered again."""
+        self.revoked.discard(position)
+        self.tenures[position] = self.tenures.get(position, 0) + 1
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         self.committed.update(positions)

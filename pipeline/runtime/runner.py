@@ -244,6 +244,8 @@ class WorkerRunner:
         """Called with the metrics at most every 0.5 s (the CLI's live status line)."""
         self._last_progress = 0.0
         self.positions: dict[Position, int] = {}
+        self.tenures: dict[Position, int] = {}
+        """The tenure (`InputLog.tenure`) each position was handled under."""
         self._uncommitted = False  # records handled since the last commit
         self.stop_reason: str | None = None
         self._stop = threading.Event()
@@ -362,6 +364,7 @@ class WorkerRunner:
                     self.output_log.send(topic, key, value, headers)
                 self.metrics.events_out += len(outputs)
         self.positions[(record.topic, record.partition)] = record.offset + 1
+        self.tenures[(record.topic, record.partition)] = record.tenure
         self._uncommitted = True
 
     def _handle_with_retries(
@@ -482,10 +485,15 @@ class WorkerRunner:
         self.output_log.flush()
         if self.input_log is not None and self.positions:
             # A partition that moved to another member is not ours to commit: its new owner resumes at the last
-            # commit and re-reads what was handled here since (at-least-once).
-            for position in [p for p in self.positions if not self.input_log.owns(p)]:
-                log.info("not committing %s[%d]: the partition was revoked", *position)
-                del self.positions[position]
+            # commit and re-reads what was handled here since (at-least-once). One assigned to us again since its
+            # position was handled is not committed either: the worker may have dropped what it held of it while
+            # it was not ours, and this member re-reads it from the last commit.
+            for position in list(self.positions):
+                tenure = self.input_log.tenure(position)
+                if tenure != self.tenures.get(position, 0):
+                    log.info("not committing %s[%d]: the partition was %s", *position,
+                             "revoked" if tenure is None else "revoked and assigned again")
+                    del self.positions[position]
             positions = self.worker.committable(dict(self.positions))
             input_log = self.input_log
             self._retrying_an_outage("offset commit", lambda: input_log.commit(positions))

@@ -53,6 +53,8 @@ class Record:
     headers: tuple[tuple[str, bytes], ...] = ()
     log_id: str = ""
     """Kafka topic id of the log the offset counts in (new at every topic creation)."""
+    tenure: int = 0
+    """Which assignment of its partition to this member the record was read under (`InputLog.tenure`)."""
 
 
 class OffsetStore(Protocol):
@@ -75,6 +77,11 @@ class InputLog(Protocol):
     def owns(self, position: Position) -> bool:
         """Whether records of `position` may be handled and committed by this worker right now."""
 
+    def tenure(self, position: Position) -> int | None:
+        """Which assignment of `position` to this worker holds now (a number new at every assignment), or None if
+        it holds none. A position handled under an earlier tenure is never committed: between a revoke and a new
+        assignment of the same partition, what the worker dropped may lie behind it (the runner's check)."""
+
     def close(self) -> None: ...
 
 
@@ -87,7 +94,8 @@ class OutputLog(Protocol):
     def close(self) -> None: ...
 
 
-def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, str]) -> list[Record]:
+def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, str],
+             tenures: Mapping[Position, int] | None = None) -> list[Record]:
     records = []
     for batch in batches.values():
         for message in batch:
@@ -101,6 +109,7 @@ def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, 
                     timestamp_ms=message.timestamp,
                     headers=tuple(message.headers or ()),
                     log_id=log_ids.get(message.topic, ""),
+                    tenure=0 if tenures is None else tenures.get((message.topic, message.partition), -1),
                 )
             )
     return records
@@ -160,9 +169,14 @@ class KafkaGroupInput:
     """Consumer-group input; commits go to Kafka.
 
     kafka-python 3 calls rebalance listeners on its IO thread, where blocking calls (a commit) are forbidden, so the
-    listener only keeps the set of partitions this member owns; the runner asks `owns()` before it handles or
-    commits a partition. Records of a revoked partition that were already fetched are skipped, and its uncommitted
-    progress is re-read by the new owner from the last commit (at-least-once; commits follow every poll batch).
+    listener only keeps the partitions this member owns, each with its tenure (a number new at every assignment);
+    the runner asks `owns()` before it handles a partition and `tenure()` before it commits one. Records of a revoked
+    partition that were already fetched are skipped, and its uncommitted progress is re-read by the new owner from
+    the last commit (at-least-once; commits follow every poll batch). A partition revoked and assigned back to this
+    member between two commits is read again from its last commit too: what the worker handled under the earlier
+    tenure is not committed, since the worker may have dropped some of it while the partition was not its own.
+    Each poll's records carry the tenures as they are when the poll returns: kafka-python drops what it fetched for
+    a partition before an assignment, and a worker drops what it holds only between polls.
     With a `GroupWatch`, a member stuck with no partitions while some belong to nobody recreates its consumer.
     """
 
@@ -176,7 +190,9 @@ class KafkaGroupInput:
         self.watch = watch
         self.recreated = 0
         """How many times the consumer was recreated because it was stuck with no partitions."""
-        self._owned: set[Position] = set()
+        self._owned: dict[Position, int] = {}
+        """The partitions this member holds, each with its tenure."""
+        self._assignments = 0
         self._owned_lock = threading.Lock()
         self._empty_since: float | None = None
         self._last_check = 0.0
@@ -188,12 +204,15 @@ class KafkaGroupInput:
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
                 with outer._owned_lock:
-                    outer._owned -= {(tp.topic, tp.partition) for tp in revoked}
+                    for tp in revoked:
+                        outer._owned.pop((tp.topic, tp.partition), None)
                 log.info("partitions revoked: %s", sorted((tp.topic, tp.partition) for tp in revoked))
 
             def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
                 with outer._owned_lock:
-                    outer._owned |= {(tp.topic, tp.partition) for tp in assigned}
+                    outer._assignments += 1
+                    for tp in assigned:
+                        outer._owned[(tp.topic, tp.partition)] = outer._assignments
                 log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
         # Metadata first: a member that joins before it knows the topics' partitions is assigned none (kafka-python
@@ -239,8 +258,15 @@ class KafkaGroupInput:
         with self._owned_lock:
             return position in self._owned
 
+    def tenure(self, position: Position) -> int | None:
+        with self._owned_lock:
+            return self._owned.get(position)
+
     def poll(self, timeout_ms: int) -> list[Record]:
-        records = _records(poll_through_outages(self.consumer, timeout_ms), self.log_ids)
+        batches = poll_through_outages(self.consumer, timeout_ms)
+        with self._owned_lock:
+            tenures = dict(self._owned)
+        records = _records(batches, self.log_ids, tenures)
         if self.watch is not None and not records:
             self._check_stuck()
         return records
@@ -337,6 +363,9 @@ class KafkaAssignedInput:
 
     def owns(self, position: Position) -> bool:
         return True  # every partition is assigned to this worker for its whole life
+
+    def tenure(self, position: Position) -> int | None:
+        return 0
 
     def commit(self, positions: Mapping[Position, int]) -> None:
         if positions:

@@ -385,6 +385,28 @@ def test_records_of_a_revoked_partition_are_neither_handled_nor_committed():
     assert input_log.committed == {("crl.runs", 0): 1}  # never the revoked partition
 
 
+def test_a_partition_assigned_again_is_not_committed_past_what_was_read_under_its_earlier_tenure():
+    """A rebalance revokes crl.control[0] and gives it back to this member while its first record is handled: a
+    worker may have dropped what it held of it meanwhile (the rollout worker drops queued episodes of a partition it
+    no longer owns), so nothing read under the earlier tenure is committed; the member re-reads from the last
+    commit. Committing the stale position is how a revoke and reassign lost episodes."""
+    class ReassignsOnFirst(EchoStop):
+        def handle(self, event: Event, origin: Origin) -> Sequence[Event]:
+            if origin.offset == 0 and origin.topic == "crl.control":
+                input_log.revoked.add(("crl.control", 0))
+                input_log.assign_again(("crl.control", 0))
+            return super().handle(event, origin)
+
+    journal = Journal()
+    stop = _examples()["StopRequested"]
+    processor = ReassignsOnFirst()
+    runner, input_log, _output = _runner_over(processor, [stop, stop, _examples()["RunStarted"]], journal)
+    runner.run()
+    assert len(processor.seen) == 3  # the partition was ours throughout each record's handling
+    assert input_log.committed == {("crl.runs", 0): 1}
+    assert any(entry[0] == "commit" for entry in journal.entries)
+
+
 def test_a_failed_offset_commit_is_retried():
     journal = Journal()
     runner, input_log, _output = _runner_over(EchoStop(), [_examples()["StopRequested"]], journal,
