@@ -146,7 +146,8 @@ EXPERIMENTS = {
                                    {"CRL_RETRIEVAL__SERVE": "other-task", "CRL_SCHEDULER__VARIANT": "shuffled"}),
                                Arm("same_instance", "complementary",
                                    {"CRL_RETRIEVAL__MIN_SIMILARITY": "0.99",
-                                    "CRL_SCHEDULER__VARIANT": "same_instance"}))),
+                                    "CRL_SCHEDULER__VARIANT": "same_instance"})),
+                           steps=24),
 }
 
 
