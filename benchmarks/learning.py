@@ -324,7 +324,8 @@ def signpost_report(runs: dict[str, list[RunOutcomes]], args: argparse.Namespace
     the three controls."""
     from pipeline.audit.learning import arm_difference, arm_ratio, guided_gap, lesson_kinds
 
-    for arm_name in ("extractor_trained", "extractor_frozen", "complementary", "static_extractor"):
+    for arm_name in [a for a in ("extractor_trained", "extractor_frozen", "complementary", "static_extractor")
+                     if a in runs]:
         pooled: dict[int, dict[str, int]] = {}
         for run in runs[arm_name]:
             for written in lesson_kinds(run.run_dir):
@@ -342,22 +343,29 @@ def signpost_report(runs: dict[str, list[RunOutcomes]], args: argparse.Namespace
             raise SystemExit(f"{name}: the signpost runs lack the unseen evaluations it compares")
         return estimate
 
-    report("frozen_actor_extractor_gain", need("frozen_actor_extractor_gain", arm_difference(
-        runs["extractor_trained"], runs["extractor_frozen"], "t", "last", guided=True, resamples=args.resamples)),
-        lambda e: e.value >= 0.15 and e.low > 0, check)
-    report("coevolution_vs_static", need("coevolution_vs_static", arm_ratio(
-        runs["complementary"], runs["static_extractor"], "t", "last", guided=True, resamples=args.resamples)),
-        lambda e: e.value >= 1.2 and e.low > 1, check)
-    report("unseen_guided_minus_free", need("unseen_guided_minus_free", guided_gap(
-        runs["complementary"], "t", resamples=args.resamples)), lambda e: e.low >= 0.15, check)
-    report("internalization", need("internalization", arm_difference(
-        runs["complementary"], runs["grpo"], "t", "last", guided=False, resamples=args.resamples)), None, False)
-    report("flipped_guided_minus_free", need("flipped_guided_minus_free", guided_gap(
-        runs["flipped"], "t", resamples=args.resamples)), lambda e: e.high < 0, check)
-    report("shuffled_unseen_gap", need("shuffled_unseen_gap", guided_gap(
-        runs["shuffled"], "t", resamples=args.resamples)), near_zero, check)
-    report("same_instance_unseen_gap", need("same_instance_unseen_gap", guided_gap(
-        runs["same_instance"], "t", resamples=args.resamples)), near_zero, check)
+    def ran(*arms: str) -> bool:
+        """Whether every arm a figure compares ran (`--arms` runs some: the figures of those are printed)."""
+        return all(arm in runs for arm in arms)
+
+    if ran("extractor_trained", "extractor_frozen"):
+        report("frozen_actor_extractor_gain", need("frozen_actor_extractor_gain", arm_difference(
+            runs["extractor_trained"], runs["extractor_frozen"], "t", "last", guided=True, resamples=args.resamples)),
+            lambda e: e.value >= 0.15 and e.low > 0, check)
+    if ran("complementary", "static_extractor"):
+        report("coevolution_vs_static", need("coevolution_vs_static", arm_ratio(
+            runs["complementary"], runs["static_extractor"], "t", "last", guided=True, resamples=args.resamples)),
+            lambda e: e.value >= 1.2 and e.low > 1, check)
+    if ran("complementary"):
+        report("unseen_guided_minus_free", need("unseen_guided_minus_free", guided_gap(
+            runs["complementary"], "t", resamples=args.resamples)), lambda e: e.low >= 0.15, check)
+    if ran("complementary", "grpo"):
+        report("internalization", need("internalization", arm_difference(
+            runs["complementary"], runs["grpo"], "t", "last", guided=False, resamples=args.resamples)), None, False)
+    for control, goal in (("flipped_guided_minus_free", lambda e: e.high < 0), ("shuffled_unseen_gap", near_zero),
+                          ("same_instance_unseen_gap", near_zero)):
+        arm = control.removesuffix("_guided_minus_free").removesuffix("_unseen_gap")
+        if ran(arm):
+            report(control, need(control, guided_gap(runs[arm], "t", resamples=args.resamples)), goal, check)
 
 
 def held_out_right_share_gain(trained: list[RunOutcomes], frozen: list[RunOutcomes], episodes: int,
@@ -417,7 +425,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Warm-start cache of the runs (default: OUT/warm-start-cache, empty at the start).")
     parser.add_argument("--quick", action="store_true", help="One seed, 3 steps, small eval pools, no goals.")
     parser.add_argument("--arms", nargs="+", default=[], metavar="ARM",
-                        help="Run only these arms (an ablation): their evaluations are printed, no comparison.")
+                        help="Run only these arms (an ablation): their evaluations are printed, and on signpost "
+                        "corridors the figures that compare only arms among them.")
     parser.add_argument("--set", action="append", default=[], metavar="CRL_KEY=VALUE",
                         help="A setting for every run (an ablation: CRL_ACTOR_TRAINER__AGGREGATION=...); repeatable.")
     parser.add_argument("--independent-draws", action="store_true",
@@ -485,8 +494,8 @@ def main() -> None:
             raise SystemExit("not scored: these runs' warm starts missed their gates (warm_start.gate), so their "
                              "figures would measure a broken start, not the method:\n" + "\n".join(missed))
         print_arms(runs, args.resamples)
-        if args.arms:
-            continue  # an ablation of some arms: their evaluations only
+        if args.arms and name != "signpost":
+            continue  # an ablation of some arms: their evaluations only (signpost: the figures of the arms run)
         if name == "room":
             grpo = eval_rise(runs["grpo"], "t", guided=False, resamples=args.resamples)
             control = eval_rise(runs["control"], "t", guided=False, resamples=args.resamples)
