@@ -216,6 +216,9 @@ class ExtractorJoin:
 
     def _outcomes(self, generation_id: str, through: int | None) -> dict[str, float]:
         outcomes = self.outcomes.get(generation_id, {})
+        if generation_id in self.rejected:
+            # the trained copy was rejected: a later copy's lessons, credited under the same id, are not its own
+            outcomes = {PARSE_ERROR: outcomes[PARSE_ERROR]}
         if through is None:
             return outcomes
         return {t: o for t, o in outcomes.items()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ class MemoryInput:
     def poll(self, timeout_ms: int) -> list[Record]:
         batch = self._records[self._next : self._next + self.batch_size]
         self._next += len(batch)
-        return batch
+        return [replace(r, tenure=self.tenure((r.topic, r.partition)) or 0) for r in batch]
 
     @property
     def exhausted(self) -> bool:

@@ -175,8 +175,9 @@ class KafkaGroupInput:
     the last commit (at-least-once; commits follow every poll batch). A partition revoked and assigned back to this
     member between two commits is read again from its last commit too: what the worker handled under the earlier
     tenure is not committed, since the worker may have dropped some of it while the partition was not its own.
-    Each poll's records carry the tenures as they are when the poll returns: kafka-python drops what it fetched for
-    a partition before an assignment, and a worker drops what it holds only between polls.
+    kafka-python's eager rebalance keeps such a partition at its fetch position, so `poll` seeks it back to its last
+    commit and leaves out what it fetched of it. Each poll's records carry the tenures as they are when the poll
+    returns (a join completes only inside the poll; a worker drops what it holds only between polls).
     With a `GroupWatch`, a member stuck with no partitions while some belong to nobody recreates its consumer.
     """
 
@@ -193,6 +194,8 @@ class KafkaGroupInput:
         self._owned: dict[Position, int] = {}
         """The partitions this member holds, each with its tenure."""
         self._assignments = 0
+        self._seen_tenures: dict[Position, int] = {}
+        """The tenure each partition had at the last poll that saw it owned."""
         self._owned_lock = threading.Lock()
         self._empty_since: float | None = None
         self._last_check = 0.0
@@ -266,6 +269,22 @@ class KafkaGroupInput:
         batches = poll_through_outages(self.consumer, timeout_ms)
         with self._owned_lock:
             tenures = dict(self._owned)
+        # kafka-python's eager rebalance keeps a partition assigned back to this member at its fetch position, past
+        # what the worker may have dropped while it was revoked: such a partition goes back to its last commit, and
+        # what this poll fetched of it is read again from there.
+        renewed = {p for p, tenure in tenures.items() if self._seen_tenures.get(p, tenure) != tenure}
+        self._seen_tenures.update(tenures)
+        if renewed:
+            batches = {tp: batch for tp, batch in batches.items() if (tp.topic, tp.partition) not in renewed}
+            for topic, partition in sorted(renewed):
+                tp = TopicPartition(topic, partition)
+                committed = self.consumer.committed(tp)
+                if committed is None:
+                    self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, committed)
+                log.info("%s[%d] assigned again: reading from its last commit (%s)", topic, partition,
+                         "the beginning" if committed is None else committed)
         records = _records(batches, self.log_ids, tenures)
         if self.watch is not None and not records:
             self._check_stuck()

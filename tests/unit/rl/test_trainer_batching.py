@@ -277,3 +277,8 @@ def test_the_replay_keeps_the_copy_the_join_kept_with_or_without_the_parse_error
     join.add_extraction(rejected)
     join.add_extraction(ok)
     assert join.generations[str(ok.event_id)].event is rejected
+    # the later copy's lessons were applied under the same generation id: episodes they guide never credit the
+    # rejected tokens the join keeps
+    join.add_trajectory(trajectory(1, "g", 0, success=True, guided=True, served=("ga",)))
+    batch = join.batch(step=1, size=1, alpha=0.5, delta=1)
+    assert batch is not None and batch.rewards == (-1.0,) and batch.outcome_counts == (1,)
