@@ -15,25 +15,32 @@ from infra import kafka_io_loop
 
 
 def _resolved_off_the_loop(run, value: object) -> tuple[bool, object]:
-    """A coroutine on the IO thread awaits a future another thread resolves 0.2 s after: (finished, value)."""
+    """A coroutine on the IO thread awaits a future another thread resolves while the loop sleeps: (finished, value)."""
     net = NetworkSelector(client_id="io-loop-test")
-    net.start()
     future = Future()
+    asleep = threading.Event()
+    select = net._selector.select
+
+    def select_noting_the_sleep(timeout=None):
+        # Reached only after the loop checked its ready queue: once the coroutine has hooked itself onto the future,
+        # the loop goes to sleep here with nothing scheduled. Resolving the future from now on is the missed wake-up;
+        # a fixed delay instead let a loaded machine run the check after the resolution, and the loop then finished.
+        if future._callbacks:
+            asleep.set()
+        return select(timeout)
+
+    net._selector.select = select_noting_the_sleep
+    net.start()
 
     async def waits():
         return await future
 
-    def resolve_once_awaited() -> None:
-        # Resolve only once the loop's task has hooked itself onto the future and had time to go back to `select`:
-        # a future resolved before the coroutine awaits it never shows the missed wake-up, however loaded the machine.
-        deadline = time.monotonic() + 30.0
-        while not future._callbacks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)
+    def resolve_once_asleep() -> None:
+        asleep.wait(30.0)
         future.success(value)
 
     got: list[object] = []
-    threading.Thread(target=resolve_once_awaited, daemon=True).start()
+    threading.Thread(target=resolve_once_asleep, daemon=True).start()
     caller = threading.Thread(target=lambda: got.append(run(net, waits)), daemon=True)
     caller.start()
     caller.join(3.0)
