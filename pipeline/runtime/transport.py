@@ -223,6 +223,11 @@ class KafkaGroupInput:
         for topic in self.topics:
             consumer.partitions_for_topic(topic)
         consumer.subscribe(topics=self.topics, listener=_Listener())
+        # And again once subscribed: kafka-python's coordinator takes its snapshot of the subscribed topics' partitions
+        # from the metadata updates it sees after `subscribe`, so without one it joins with an empty snapshot, assigns
+        # (as leader) from it, and re-joins at its next poll because the snapshot changed. That re-join revokes and
+        # re-assigns every partition at once, and after one the member was seen to stop heartbeating for good.
+        consumer.topics()
 
     def _check_stuck(self) -> None:
         """Recreate the consumer when it has held nothing for `stuck_after_s` while partitions belong to nobody."""

@@ -90,3 +90,21 @@ def test_a_member_with_nothing_because_another_holds_every_partition_is_left_alo
             second.close()
     finally:
         first.close()
+
+
+def test_a_lone_member_is_assigned_once_when_it_joins(apache_kafka):
+    # Its first join already knows the topic's partitions: one assignment, no revoke-and-re-assign right after.
+    kafka = KafkaSettings(bootstrap_servers=apache_kafka)
+    topic = f"early-{uuid.uuid4().hex[:8]}"
+    admin = make_admin(kafka)
+    try:
+        admin.create_topics([NewTopic(topic, 4, 1)])
+    finally:
+        admin.close()
+    member = _input(kafka, f"lone-{topic}", topic, watched=False)
+    try:
+        _poll_for([member], 4.0)
+        assert len(member.consumer.assignment()) == 4
+        assert member._assignments == 1
+    finally:
+        member.consumer.close()
