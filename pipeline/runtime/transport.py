@@ -218,15 +218,13 @@ class KafkaGroupInput:
                         outer._owned[(tp.topic, tp.partition)] = outer._assignments
                 log.info("partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
 
-        # Metadata first: a member that joins before it knows the topics' partitions is assigned none (kafka-python
-        # logs "No partition metadata"), and one such member after a broker restart never rejoined.
-        for topic in self.topics:
-            consumer.partitions_for_topic(topic)
         consumer.subscribe(topics=self.topics, listener=_Listener())
-        # And again once subscribed: kafka-python's coordinator takes its snapshot of the subscribed topics' partitions
-        # from the metadata updates it sees after `subscribe`, so without one it joins with an empty snapshot, assigns
-        # (as leader) from it, and re-joins at its next poll because the snapshot changed. That re-join revokes and
-        # re-assigns every partition at once, and after one the member was seen to stop heartbeating for good.
+        # Metadata before the first poll joins: a member that joins before it knows the topics' partitions is assigned
+        # none (kafka-python logs "No partition metadata"), and one such member after a broker restart never
+        # rejoined. It must come after `subscribe`: kafka-python's coordinator snapshots the subscribed partitions
+        # only from the metadata updates it sees after it, so a member holding metadata fetched earlier joined with
+        # an empty snapshot, assigned (as leader) from it and re-joined at its next poll, revoking and re-assigning
+        # everything at once; after such a re-join a member was seen to stop heartbeating for good.
         consumer.topics()
 
     def _check_stuck(self) -> None:

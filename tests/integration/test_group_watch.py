@@ -30,6 +30,14 @@ def _input(kafka: KafkaSettings, group: str, topic: str, watched: bool, member: 
     return KafkaGroupInput(make_consumer(kafka, group_id=group, client_id=member), [topic], {}, watch=watch)
 
 
+def _create(kafka: KafkaSettings, topic: str, partitions: int) -> None:
+    admin = make_admin(kafka)
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        admin.close()
+
+
 def _poll_for(inputs: list[KafkaGroupInput], seconds: float) -> list[int]:
     counts = [0] * len(inputs)
     deadline = time.monotonic() + seconds
@@ -49,11 +57,7 @@ def test_a_member_left_with_nothing_while_partitions_wait_recreates_its_consumer
         assert not watched.consumer.assignment() and not unwatched.consumer.assignment()
         for group_input in (watched, unwatched):
             group_input.consumer._coordinator.need_rejoin = lambda: False  # the defect: it never rejoins
-        admin = make_admin(kafka)
-        try:
-            admin.create_topics([NewTopic(topic, 2, 1)])
-        finally:
-            admin.close()
+        _create(kafka, topic, partitions=2)
         producer = make_producer(kafka)
         for n in range(10):
             producer.send(topic, value=f"record {n}".encode(), partition=n % 2)
@@ -71,11 +75,7 @@ def test_a_member_left_with_nothing_while_partitions_wait_recreates_its_consumer
 def test_a_member_with_nothing_because_another_holds_every_partition_is_left_alone(apache_kafka):
     kafka = KafkaSettings(bootstrap_servers=apache_kafka)
     topic = f"one-{uuid.uuid4().hex[:8]}"
-    admin = make_admin(kafka)
-    try:
-        admin.create_topics([NewTopic(topic, 1, 1)])
-    finally:
-        admin.close()
+    _create(kafka, topic, partitions=1)
     group = f"pair-{topic}"
     first = _input(kafka, group, topic, watched=True)
     try:
@@ -96,15 +96,11 @@ def test_a_lone_member_is_assigned_once_when_it_joins(apache_kafka):
     # Its first join already knows the topic's partitions: one assignment, no revoke-and-re-assign right after.
     kafka = KafkaSettings(bootstrap_servers=apache_kafka)
     topic = f"early-{uuid.uuid4().hex[:8]}"
-    admin = make_admin(kafka)
-    try:
-        admin.create_topics([NewTopic(topic, 4, 1)])
-    finally:
-        admin.close()
+    _create(kafka, topic, partitions=4)
     member = _input(kafka, f"lone-{topic}", topic, watched=False)
     try:
         _poll_for([member], 4.0)
         assert len(member.consumer.assignment()) == 4
         assert member._assignments == 1
     finally:
-        member.consumer.close()
+        member.close()
