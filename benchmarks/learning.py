@@ -11,7 +11,7 @@ Every run is a real `crl run CONFIG --arm ARM` (embedded broker, every worker a 
 another (2 cores), and a run directory that already holds an archive is read instead of run again. The warm starts
 are computed into an empty cache of the benchmark's own (`OUT/warm-start-cache`) unless `--warm-start-cache DIR`
 names another, so every figure comes from the code as it is; the runs of one benchmark share it. A run whose warm
-start missed its gate (`warm_start.gate`) is not scored: the benchmark names it and exits. Four experiments:
+start missed its gate (`warm_start.gate`) is not scored: the benchmark names it and exits. Five experiments:
 
 - **room** (`configs/tiny-minihack-room.yaml`): can GRPO alone improve the actor? Arms `grpo` and `control` (the
   same run with every step a warm-up step: the actor never trains). Evaluated before training (step 0) and at the
@@ -47,6 +47,10 @@ start missed its gate (`warm_start.gate`) is not scored: the benchmark names it 
   `coevolution_vs_static=` (guided, complementary over static_extractor), `unseen_guided_minus_free=`,
   `internalization=` (free, complementary minus grpo), `flipped_guided_minus_free=`, `shuffled_unseen_gap=` and
   `same_instance_unseen_gap=`, paired per corridor.
+- **smol-signpost** (`configs/smol-signpost-corridor.yaml`): the same family with SmolLM2-135M-Instruct as actor
+  and extractor, each warm-started for a few steps and then trained with a LoRA adapter. One arm, `complementary`,
+  6 steps, 16 unseen corridors per evaluation (fewer with `--signpost-tasks`); prints its lessons' kinds per
+  extractor version and `unseen_guided_minus_free=`. Meant for 3 seeds (`--seeds 3`): no goal is checked.
 
 Common random numbers: every arm of a seed plays the same task draws, and every episode samples from a stream keyed
 by the seed and the episode's identity (`pipeline.actor.episodes.turn_seed`), so the same slot of the same group
@@ -122,6 +126,12 @@ class Experiment:
     arms: tuple[Arm, ...]
     steps: int = 10
     """Steps per run (`--steps` overrides every experiment's)."""
+    unseen_tasks: int | None = None
+    """Signpost families: unseen corridors per evaluation in place of `--signpost-tasks` (at most it)."""
+
+    @property
+    def signpost(self) -> bool:
+        return self.env_id == "MiniHack-SignpostCorridor-v0"
 
 
 EXPERIMENTS = {
@@ -148,6 +158,9 @@ EXPERIMENTS = {
                                    {"CRL_RETRIEVAL__MIN_SIMILARITY": "0.99",
                                     "CRL_SCHEDULER__VARIANT": "same_instance"})),
                            steps=24),
+    "smol-signpost": Experiment("smol-signpost", ROOT / "configs" / "smol-signpost-corridor.yaml",
+                                "MiniHack-SignpostCorridor-v0", (Arm("complementary", "complementary"),),
+                                steps=6, unseen_tasks=16),
 }
 
 
@@ -168,9 +181,9 @@ def run_env(experiment: Experiment, arm: Arm, seed: int, args: argparse.Namespac
         env.update({"CRL_SCHEDULER__DETERMINISTIC": "true", "CRL_SCHEDULER__MAX_STEPS_AHEAD": "0"})
     if experiment.name == "room":
         env["CRL_ENVS__EVAL_TASKS_PER_ENV"] = str(args.eval_tasks)
-    elif experiment.name == "signpost":
-        env.update({"CRL_ENVS__EVAL_REPEATS": str(args.signpost_repeats),
-                    "CRL_ENVS__EVAL_TASKS_PER_ENV": str(args.signpost_tasks)})
+    elif experiment.signpost:
+        tasks = min(experiment.unseen_tasks or args.signpost_tasks, args.signpost_tasks)
+        env.update({"CRL_ENVS__EVAL_REPEATS": str(args.signpost_repeats), "CRL_ENVS__EVAL_TASKS_PER_ENV": str(tasks)})
     else:
         env.update({"CRL_ENVS__EVAL_REPEATS": str(args.eval_repeats),
                     "CRL_ENVS__EVAL_TASKS_PER_ENV": str(args.unseen_tasks)})
@@ -494,7 +507,7 @@ def main() -> None:
             raise SystemExit("not scored: these runs' warm starts missed their gates (warm_start.gate), so their "
                              "figures would measure a broken start, not the method:\n" + "\n".join(missed))
         print_arms(runs, args.resamples)
-        if args.arms and name != "signpost":
+        if args.arms and not experiment.signpost:
             continue  # an ablation of some arms: their evaluations only (signpost: the figures of the arms run)
         if name == "room":
             grpo = eval_rise(runs["grpo"], "t", guided=False, resamples=args.resamples)
@@ -511,7 +524,7 @@ def main() -> None:
                                resamples=args.resamples) for paired in (True, False)))
         elif name == "extractor":
             extractor_report(runs, args, check)
-        elif name == "signpost":
+        elif experiment.signpost:
             signpost_report(runs, args, check)
         else:
             corridor_diagnostics([run.run_dir for run in runs["complementary"]])

@@ -85,3 +85,18 @@ def test_a_set_setting_reaches_every_arm_after_the_arms_own(learning, monkeypatc
     for arm in experiment.arms:
         settings = _settings(monkeypatch, experiment.config, learning.run_env(experiment, arm, 0, args, args.steps))
         assert settings.retrieval.key == "goal" and settings.retrieval.min_similarity == 0.5
+
+
+def test_the_smollm2_signpost_experiment_runs_smollm2_in_both_roles_on_its_own_smaller_unseen_pool(
+        learning, monkeypatch, tmp_path):
+    experiment = learning.EXPERIMENTS["smol-signpost"]
+    assert experiment.signpost and [arm.name for arm in experiment.arms] == ["complementary"]
+    for argv, pool in (([], (16, 4)), (["--quick"], (8, 2)), (["--signpost-tasks", "12"], (12, 4))):
+        args = learning.arguments(["--experiments", "smol-signpost", "--out", str(tmp_path), *argv])
+        settings = _settings(monkeypatch, experiment.config,
+                             learning.run_env(experiment, experiment.arms[0], 2, args, args.steps or experiment.steps))
+        assert (settings.envs.eval_tasks_per_env, settings.envs.eval_repeats) == pool
+        assert settings.envs.tasks[0].env_id == experiment.env_id and settings.envs.seed == 2
+        assert settings.actor_trainer.model.preset == settings.extractor_trainer.model.preset == "smollm2-135m-instruct"
+        assert settings.retrieval.key == "goal-and-first-observation"
+        assert settings.scheduler.eval_every == (3 if "--quick" in argv else 6)
