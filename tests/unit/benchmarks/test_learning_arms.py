@@ -90,7 +90,7 @@ def test_a_set_setting_reaches_every_arm_after_the_arms_own(learning, monkeypatc
 def test_the_smollm2_signpost_experiment_runs_smollm2_in_both_roles_on_its_own_smaller_unseen_pool(
         learning, monkeypatch, tmp_path):
     experiment = learning.EXPERIMENTS["smol-signpost"]
-    assert experiment.signpost and [arm.name for arm in experiment.arms] == ["complementary"]
+    assert experiment.signpost and not experiment.goals and [arm.name for arm in experiment.arms] == ["complementary"]
     for argv, pool in (([], (16, 4)), (["--quick"], (8, 2)), (["--signpost-tasks", "12"], (12, 4))):
         args = learning.arguments(["--experiments", "smol-signpost", "--out", str(tmp_path), *argv])
         settings = _settings(monkeypatch, experiment.config,
