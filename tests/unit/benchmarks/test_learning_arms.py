@@ -100,3 +100,21 @@ def test_the_smollm2_signpost_experiment_runs_smollm2_in_both_roles_on_its_own_s
         assert settings.actor_trainer.model.preset == settings.extractor_trainer.model.preset == "smollm2-135m-instruct"
         assert settings.retrieval.key == "goal-and-first-observation"
         assert settings.scheduler.eval_every == (3 if "--quick" in argv else 6)
+
+
+def test_later_seeds_of_an_arm_skip_the_gates_of_the_warm_starts_the_first_one_checked(learning, monkeypatch, tmp_path):
+    from pipeline.rl.warm_start import _env_options
+
+    args = learning.arguments(["--experiments", "smol-signpost", "--out", str(tmp_path)])
+    experiment = learning.EXPERIMENTS["smol-signpost"]
+    arm = experiment.arms[0]
+    first = _settings(monkeypatch, experiment.config, learning.run_env(experiment, arm, 0, args, 6))
+    later = _settings(monkeypatch, experiment.config, learning.run_env(experiment, arm, 1, args, 6, gated=True))
+    assert first.actor_trainer.warm_start.gate is not None and first.extractor_trainer.warm_start.gate is not None
+    assert later.actor_trainer.warm_start.gate is None and later.extractor_trainer.warm_start.gate is None
+    # what a warm start's cache key is made of does not depend on the seed: the later seed loads the weights gated
+    for role in ("actor_trainer", "extractor_trainer"):
+        a, b = getattr(first, role), getattr(later, role)
+        assert a.warm_start.model_dump(exclude={"gate"}) == b.warm_start.model_dump(exclude={"gate"})
+        assert a.model == b.model
+    assert _env_options(first.envs) == _env_options(later.envs) and first.envs.seed != later.envs.seed
