@@ -28,10 +28,11 @@ kafka-jars: venv
 	@if command -v java >/dev/null 2>&1; then $(BIN)/python -m infra.apache_kafka fetch; \
 	else echo "no java on PATH: the Apache Kafka tests will be skipped (install openjdk-17-jre-headless)"; fi
 
-# The main job: Complementary RL end to end on the CPU default (embedded broker, every worker, live progress),
-# leaving a run directory with the archive, the bank, checkpoints, logs and report.html.
+# The main job: Complementary RL end to end on signpost corridors, where lessons learnt on some corridors help on
+# unseen ones (embedded broker, every worker, live progress), leaving a run directory with the archive, the bank,
+# checkpoints, logs and report.html. It ends with guided against free success on unseen corridors.
 run: venv
-	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-minihack-room.yaml
+	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-signpost-corridor.yaml
 
 # Every test, on two xdist workers: the tests that run whole `crl run`s or load SmolLM2 form one unit of work, so they
 # run one after another on one worker while the other takes the rest (docs/testing.md). Lint and types first.
