@@ -162,12 +162,15 @@ def unowned_partitions(admin: KafkaAdminClient, group_id: str, topics: Iterable[
     """The partitions of `topics` that no member of consumer group `group_id` holds, as its coordinator says. While
     the group is not stable (a rebalance waiting for its members to join) no member holds any: all of them. What the
     coordinator assigns to members of client id `asking_client` counts as not held: the asker holds nothing, so an
-    assignment it never took up is waiting too."""
+    assignment it never took up is waiting too. A coordinator that describes a stable group's members without their
+    client ids and assignments (Tansu) says nothing of who holds what: nothing is known to wait, the empty set."""
     group = admin.describe_groups([group_id])[group_id]
     counts = existing_partition_counts(admin)
     every = {(topic, partition) for topic in topics for partition in range(counts.get(topic, 0))}
     if group["group_state"] != "Stable":
         return every
+    if group["members"] and not any(member.get("member_assignment") for member in group["members"]):
+        return set()
     held = {(assigned["topic"], partition) for member in group["members"] if member.get("client_id") != asking_client
             for assigned in (member.get("member_assignment") or {}).get("assigned_partitions", [])
             for partition in assigned["partitions"]}

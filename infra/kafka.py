@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ACLOperation
 from kafka.errors import KafkaTimeoutError
 from kafka.structs import OffsetAndMetadata
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -211,10 +212,23 @@ def _handshake_failure(options: Mapping[str, Any]) -> str | None:
 
 
 class _AdminClient(KafkaAdminClient):
-    """kafka-python's admin client, which says why it could not bootstrap. kafka-python retries a refused SASL login
-    until its bootstrap timeout and then reports only "Unable to bootstrap" (and its SSL transport often sees the
-    broker's close before the refusal): a broker that answers over TLS but lets no login through within the timeout
-    refused the credentials."""
+    """kafka-python's admin client, which says why it could not bootstrap, and reads a group description whatever
+    operations the broker says a client may perform on it.
+
+    - kafka-python retries a refused SASL login until its bootstrap timeout and then reports only "Unable to
+      bootstrap" (and its SSL transport often sees the broker's close before the refusal): a broker that answers over
+      TLS but lets no login through within the timeout refused the credentials.
+    - kafka-python 3.0.12's `describe_groups` always asks for the authorized operations and turns each into its
+      `ACLOperation` enum, which stops at 14: Tansu answers 15 among them, and the call raised `ValueError` (so a
+      `GroupWatch` check crashed its worker). Codes the enum lacks are left out of `authorized_operations`; upstream
+      would need to keep unknown codes (or honour `include_authorized_operations=False`)."""
+
+    def _process_acl_operations(self, obj: dict[str, Any]) -> dict[str, Any]:
+        operations = obj.get("authorized_operations")
+        if operations is not None:
+            known = {operation.value for operation in ACLOperation} - {0, 1, 2}  # UNKNOWN, ANY and ALL: not granted
+            obj["authorized_operations"] = [ACLOperation(code).name for code in operations if code in known]
+        return obj
 
     def __init__(self, **options: Any) -> None:
         try:

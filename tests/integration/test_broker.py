@@ -548,3 +548,32 @@ def _committed(kafka: KafkaSettings, group: str, topic: str) -> int | None:
         if tp.topic == topic:
             return offset.offset
     return None
+
+
+def test_the_coordinator_says_which_partitions_of_a_group_no_member_holds(kafka_bootstrap, request):
+    """What a `GroupWatch` asks (`infra.admin.unowned_partitions`), on either broker. Tansu lists an operation code
+    kafka-python's enum lacks in a group's description, which once made the question raise, and describes members
+    without their assignments: there, nothing is known to wait."""
+    from infra.admin import unowned_partitions
+
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    group = f"watched-{time.monotonic_ns()}"
+    consumer = make_consumer(kafka, group_id=group, client_id="member-0")
+    admin = make_admin(kafka)
+    try:
+        consumer.subscribe(["crl.tasks"])
+        deadline = time.monotonic() + 60
+        while not consumer.assignment() and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)
+        every = {("crl.tasks", partition) for partition in range(len(consumer.assignment()))}
+        assert len(every) == 8
+        deadline = time.monotonic() + 30
+        while (unowned := unowned_partitions(admin, group, ["crl.tasks"])) and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)  # the group settles (Stable) with its one member holding all
+        assert unowned == set()
+        # asked by the member itself: what the coordinator gave it counts as waiting (it would hold nothing)
+        tansu = request.node.callspec.params["kafka_bootstrap"] == "tansu"
+        assert unowned_partitions(admin, group, ["crl.tasks"], asking_client="member-0") == (set() if tansu else every)
+    finally:
+        consumer.close()
+        admin.close()
