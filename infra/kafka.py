@@ -23,9 +23,11 @@ from kafka.structs import OffsetAndMetadata
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from infra.errors import ConfigError
+from infra.kafka_group_join import finish_completed_joins
 from infra.kafka_io_loop import guard_cross_thread_calls
 
 guard_cross_thread_calls()
+finish_completed_joins()
 
 
 class KafkaSettings(BaseModel):

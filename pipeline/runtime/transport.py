@@ -151,9 +151,10 @@ def _lag(consumer: KafkaConsumer, positions: Mapping[Position, int]) -> dict[Pos
 class GroupWatch:
     """How a group member finds out it was left with nothing while its group's partitions wait, and starts afresh.
 
-    kafka-python has been seen to keep a member with no partitions after a broker restart: in a stable generation
-    (one that joined before it knew the topics' partitions), or with its partitions revoked for a rebalance it never
-    rejoins, the group waiting for it. Either way the partitions it should hold belong to nobody, so their records
+    The last resort: kafka-python has been seen to keep a member with no partitions after a broker restart, in a
+    stable generation (one that joined before it knew the topics' partitions), or with its partitions revoked for a
+    rebalance it never finished (a member polling with 0 ms, until `infra.kafka_group_join` fixed the join). Either
+    way the partitions it should hold belong to nobody, so their records
     wait for ever. A member that has held no partition for `stuck_after_s` asks the group coordinator (`unowned`)
     which partitions of its topics no member holds (all of them while the group rebalances, and those the
     coordinator gave this member but it never took up); if any, it closes its consumer and joins again with a new one

@@ -331,7 +331,7 @@ def test_a_run_whose_broker_was_killed_stops_naming_resume(scenario):
     assert not any(_alive(worker["pid"]) for worker in phase.table.values())
 
 
-def test_the_last_resume_completes_the_run_with_every_step_once(scenario):
+def test_the_last_resume_completes_the_run_with_every_step_once(scenario, report_measurement):
     phase = scenario.phase("completed")
     assert phase.returncode == 0, phase.output[-3000:]
     attempts = 3 if scenario.supervision else 2
@@ -364,6 +364,15 @@ def test_the_last_resume_completes_the_run_with_every_step_once(scenario):
         assert rows("SELECT count(*) FROM experience_added")[0][0] >= 1
         assert rows("SELECT count(*) FROM dead_letter") == [(0,)]
         assert rows("SELECT json_extract_string(config, '$.broker.kind') FROM run_started") == [(scenario.broker,)]
+        # What the restarts and the killed broker cost: episodes played again (their first play was not committed
+        # before a worker or the broker went down; the audit keeps the first of each), and consumers the group
+        # watch had to recreate (a last resort: none is needed once kafka-python finishes its joins).
+        played = rows(f"SELECT count(*) FROM read_parquet('{scenario.run_dir / 'archive'}/*/*.parquet') "
+                      "WHERE kind = 'TrajectoryCompleted'")[0][0]
+    recreated = sum(path.read_text(errors="replace").count("recreating its consumer")
+                    for path in (scenario.run_dir / "logs").glob("*.log"))
+    report_measurement(f"scenario on {scenario.broker}: {played - episodes} of {episodes} episodes played again over "
+                       f"{attempts + 1} attempts; consumers recreated by the group watch: {recreated}")
 
 
 def test_both_replays_match_over_the_whole_run(scenario):

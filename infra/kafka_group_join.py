@@ -1,0 +1,78 @@
+"""A fix for kafka-python 3.0.12's group join, which throws a finished join away, so a member that polls with short
+timeouts never gets its partitions back after a rebalance.
+
+kafka-python runs a member's JoinGroup -> SyncGroup exchange as a task on its IO thread and keeps the task between
+polls, so a `poll` whose timeout ends first leaves it in flight for the next `poll` to await. But the next `poll`
+tests `self._join_task is None or self._join_task.is_done` (`BaseCoordinator.join_group_async`) and starts a new
+JoinGroup when the task has finished: a join that completed between two polls is dropped, its assignment is never
+applied, `on_partitions_assigned` never runs, heartbeats stay off, and the new JoinGroup of a group's leader starts
+another rebalance. A member polling with `timeout_ms=0` (our rollout worker while episodes are in flight) can never
+finish a join: the task is always still in flight when its poll returns, and done at the next. After a broker restart
+or any rebalance such a member held nothing while its generation rose by about 30 a second
+(`tests/integration/test_kafka_group_join.py` reproduces it on Apache Kafka: 193 generations in 10 s of
+`poll(timeout_ms=0)`, no assignment).
+
+`finish_completed_joins` wraps `join_group_async`: when the kept task has finished, its result is applied first,
+exactly as kafka-python applies a join it awaited (state STABLE, heartbeats on, `_on_join_complete_async`, which
+assigns the partitions and calls the listener); a failed task is dropped and its error raised when kafka-python would
+raise it. Upstream would need only `if self._join_task is None:` in place of that test (the failure branches already
+clear the task), and `rejoin_needed` cleared when JoinGroup succeeds rather than after SyncGroup, as the Java client
+does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from kafka import errors as Errors
+from kafka.coordinator.base import BaseCoordinator, MemberState
+
+log = logging.getLogger(__name__)
+
+_BUGGY_TEST = "if self._join_task is None or self._join_task.is_done:"
+_original_join_group_async = BaseCoordinator.join_group_async
+_RETRIED_AT_ONCE = (Errors.UnknownMemberIdError, Errors.RebalanceInProgressError, Errors.IllegalGenerationError,
+                    Errors.MemberIdRequiredError)
+
+
+def needs_the_fix() -> bool:
+    """Whether the installed kafka-python drops finished joins (the test above is in its `join_group_async`)."""
+    return _BUGGY_TEST in inspect.getsource(_original_join_group_async)
+
+
+async def _join_group_async(self: BaseCoordinator, timeout_ms: int | None = None) -> bool:
+    task = self._join_task
+    if task is not None and task.is_done:
+        self._join_task = None
+        if task.failed():
+            error = task.exception
+            # kafka-python retries these kinds (their side effects are already applied) and raises the rest.
+            if not isinstance(error, (*_RETRIED_AT_ONCE, Errors.RetriableError)):
+                raise error
+            log.debug("Join attempt of group %s finished between polls with %r; joining again", self.group_id, error)
+        else:
+            log.debug("Join of group %s finished between polls; applying its assignment", self.group_id)
+            with self._lock:
+                self.rejoining = False
+                self.rejoin_needed = False
+                self.state = MemberState.STABLE
+                self._enable_heartbeat()
+            generation = self._generation
+            await self._on_join_complete_async(generation.generation_id, generation.member_id, generation.protocol,
+                                               task.value)
+            if not self.need_rejoin():
+                return True
+    result: bool = await _original_join_group_async(self, timeout_ms=timeout_ms)
+    return result
+
+
+def finish_completed_joins() -> None:
+    """Install the fix (idempotent) where the installed kafka-python needs it; `infra.kafka` calls this on import."""
+    if BaseCoordinator.join_group_async is _original_join_group_async and needs_the_fix():
+        BaseCoordinator.join_group_async = _join_group_async
+
+
+def installed() -> bool:
+    """Whether consumers created now join through the fix."""
+    return BaseCoordinator.join_group_async is _join_group_async

@@ -1,0 +1,194 @@
+"""kafka-python's group join against real brokers: a member that polls without waiting (the rollout worker while its
+episodes are in flight) gets its partitions back after a rebalance, also when the broker restarts in the middle of
+one (`infra/kafka_group_join.py` says what kafka-python 3.0.12 does wrong and what the fix changes).
+
+kafka-python's coordinator logs at DEBUG are captured for each test (`kafka.coordinator`): a failing test shows the
+joins it saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kafka import ConsumerRebalanceListener, KafkaConsumer
+from kafka.admin import NewTopic
+from kafka.coordinator.base import BaseCoordinator
+
+from infra import kafka_group_join
+from infra.kafka import KafkaSettings, make_admin, make_consumer
+from schemas.topics import TASKS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def coordinator_debug_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="kafka.coordinator")
+    caplog.set_level(logging.DEBUG, logger=kafka_group_join.__name__)
+
+
+class Member(ConsumerRebalanceListener):
+    """A group member that keeps what its rebalance listener was told, as our workers do."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, name: str) -> None:
+        self.owned: set[int] = set()
+        self.assignments = 0
+        self.consumer: KafkaConsumer = make_consumer(KafkaSettings(bootstrap_servers=bootstrap), group_id=group,
+                                                     client_id=name)
+        self.consumer.subscribe([topic], listener=self)
+
+    def on_partitions_revoked(self, revoked: object) -> None:
+        self.owned = set()
+
+    def on_partitions_assigned(self, assigned: list) -> None:  # type: ignore[override]
+        self.owned = {tp.partition for tp in assigned}
+        self.assignments += 1
+
+    @property
+    def generation(self) -> int:
+        return int(self.consumer._coordinator._generation.generation_id)
+
+    def poll_until(self, done: Callable[[], bool], timeout_ms: int, within_s: float, pause_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            self.consumer.poll(timeout_ms=timeout_ms)
+            if done():
+                return True
+            time.sleep(pause_s)
+        return False
+
+
+def _second_member_joins(bootstrap: str, group: str) -> tuple[bool, int, Member, Member]:
+    """Member A holds every partition and polls with `timeout_ms=0` and a 50 ms turn between polls; member B joins
+    and polls with 200 ms. Whether within 10 s each holds its half (the range assignor), and how many generations the
+    group went through meanwhile."""
+    first = Member(bootstrap, group, TASKS.name, f"{group}-a")
+    assert first.poll_until(lambda: bool(first.owned), timeout_ms=1000, within_s=30), "no first assignment"
+    before = first.generation
+    second = Member(bootstrap, group, TASKS.name, f"{group}-b")
+    stop = threading.Event()
+
+    def poll_second() -> None:
+        while not stop.is_set():
+            second.consumer.poll(timeout_ms=200)
+
+    thread = threading.Thread(target=poll_second, daemon=True)
+    thread.start()
+    half = TASKS.partitions // 2
+    try:
+        shared = first.poll_until(lambda: len(first.owned) == half and len(second.owned) == half, timeout_ms=0,
+                                  within_s=10, pause_s=0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    return shared, first.generation - before, first, second
+
+
+def test_a_member_polling_without_waiting_gets_its_partitions_after_a_rebalance(kafka_bootstrap, report_measurement):
+    assert kafka_group_join.installed(), "infra.kafka installs the join fix on import"
+    shared, generations, first, second = _second_member_joins(kafka_bootstrap, "crl-join-fixed")
+    try:
+        assert shared, (f"after 10 s: A holds {sorted(first.owned)}, B {sorted(second.owned)}; {generations} "
+                        "generations went by")
+        assert first.owned | second.owned == set(range(TASKS.partitions))
+        assert generations <= 2, f"{generations} generations for one member joining"
+    finally:
+        first.consumer.close()
+        second.consumer.close()
+    report_measurement(f"a member joins beside one polling with timeout_ms=0: {generations} generation(s), "
+                       "each holds its half")
+
+
+@pytest.mark.apache_kafka
+def test_kafka_python_without_the_fix_drops_every_finished_join(apache_kafka_bootstrap, monkeypatch,
+                                                               report_measurement):
+    """The failure the fix removes, on kafka-python as released: the member polling with `timeout_ms=0` never gets
+    its half back, while each of its joins starts another generation (what CI saw after a broker restart: a rollout
+    worker holding nothing, its partitions assigned to nobody)."""
+    assert kafka_group_join.needs_the_fix(), "kafka-python changed its join: check whether the fix is still needed"
+    monkeypatch.setattr(BaseCoordinator, "join_group_async", kafka_group_join._original_join_group_async)
+    shared, generations, first, second = _second_member_joins(apache_kafka_bootstrap, "crl-join-unfixed")
+    stranded = sorted(first.owned)
+    monkeypatch.undo()  # close with the fix in place: a LeaveGroup behind a join the broker holds times out
+    first.consumer.close(timeout_ms=1000)
+    second.consumer.close(timeout_ms=1000)
+    assert not shared and stranded == []
+    assert generations >= 5
+    report_measurement(f"kafka-python 3.0.12 unfixed: the member polling with timeout_ms=0 held nothing for 10 s "
+                       f"while {generations} generations went by")
+
+
+@pytest.mark.apache_kafka
+def test_members_get_every_partition_back_after_a_broker_restart_during_a_rebalance(kafka_jars, tmp_path: Path,
+                                                                                     report_measurement):
+    """Three members; one leaves, and the broker stops (SIGTERM) while the other two rejoin, and starts again a
+    second later. One member polls as the rollout worker does with episodes in flight (0 ms, a turn between polls),
+    one with 200 ms. Within 60 s the two hold all 8 partitions between them, each its half (the range assignor)."""
+    from infra.apache_kafka import ApacheKafkaBroker
+
+    topic = "crl.join-restart"
+    with ApacheKafkaBroker(data_dir=tmp_path / "kafka", log_path=tmp_path / "broker.log") as broker:
+        admin = make_admin(KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
+        admin.create_topics([NewTopic(topic, 8, 1)])
+        admin.close()
+        members = {name: Member(broker.bootstrap_servers, "crl-join-restart", topic, name)
+                   for name in ("eager", "patient", "leaving")}
+        timeouts = {"eager": 0, "patient": 200, "leaving": 200}
+        pauses = {"eager": 0.05, "patient": 0.0, "leaving": 0.0}
+        stop = threading.Event()
+        leave = threading.Event()
+        errors: list[BaseException] = []
+
+        def loop(name: str) -> None:
+            member = members[name]
+            try:
+                while not stop.is_set():
+                    if name == "leaving" and leave.is_set():
+                        member.consumer.close()
+                        return
+                    member.consumer.poll(timeout_ms=timeouts[name])
+                    time.sleep(pauses[name])
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(name,), daemon=True) for name in members]
+        for thread in threads:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while sum(len(m.owned) for m in members.values()) != 8 or not all(m.owned for m in members.values()):
+                assert time.monotonic() < deadline, {name: m.owned for name, m in members.items()}
+                time.sleep(0.1)
+            leave.set()  # its LeaveGroup starts a rebalance
+            deadline = time.monotonic() + 10
+            while members["eager"].owned and time.monotonic() < deadline:  # the revoke: the rebalance is on
+                time.sleep(0.01)
+            began = time.monotonic()
+            broker.stop()
+            time.sleep(1.0)
+            broker.start()
+            stayed = [members["eager"], members["patient"]]
+            deadline = time.monotonic() + 60
+            while not (sorted(p for m in stayed for p in m.owned) == list(range(8)) and all(
+                    len(m.owned) == 4 for m in stayed)):
+                assert not errors, errors
+                assert time.monotonic() < deadline, (
+                    f"after 60 s: eager holds {sorted(members['eager'].owned)}, patient "
+                    f"{sorted(members['patient'].owned)} (generations {[m.generation for m in stayed]})")
+                time.sleep(0.1)
+            recovered_s = time.monotonic() - began
+            generation = members["eager"].generation
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            for name in ("eager", "patient"):
+                members[name].consumer.close()
+    assert not errors, errors
+    report_measurement(f"broker restart during a rebalance: every partition held again {recovered_s:.1f} s after "
+                       f"the stop (generation {generation})")
