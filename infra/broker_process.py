@@ -16,16 +16,16 @@ import signal
 import socket
 import subprocess
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from infra.errors import BrokerError
+from infra.service import LocalService
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def resident_memory_bytes(pid: int) -> int | None:
     return None
 
 
-class BrokerProcess(ABC):
+class BrokerProcess(LocalService):
     """A Kafka-protocol broker as a child process. `start()` returns once it answers metadata requests.
 
     Subclasses say what to run (`_command`), may prepare files first (`_prepare`), and set `kind` (the name users
@@ -228,10 +228,3 @@ class BrokerProcess(ABC):
             process.kill()
             process.wait()
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -19,18 +19,18 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import ClassVar, Self
 
 from infra.apache_kafka import KAFKA_VERSION, MAVEN_CENTRAL, ApacheKafkaBroker, new_cluster_id
 from infra.broker_process import free_loopback_port
 from infra.errors import BrokerError
+from infra.service import LocalService
 
 DEGRADED_STOP_S = 8.0
 """Grace period of a node's stop once another node has died."""
 
 
-class ApacheKafkaCluster:
+class ApacheKafkaCluster(LocalService):
     """`brokers` Apache Kafka KRaft nodes as child JVMs on loopback, their logs in `data_dir` (durable)."""
 
     kind: ClassVar[str] = "kafka"
@@ -162,10 +162,3 @@ class ApacheKafkaCluster:
         for node in self.nodes:
             node.kill()
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

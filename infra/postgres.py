@@ -20,11 +20,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from infra.broker_process import free_loopback_port
 from infra.errors import PipelineError
+from infra.service import LocalService
 
 
 class PostgresClusterError(PipelineError):
@@ -49,7 +49,7 @@ def locate_postgres_bin(override: Path | str | None = None) -> Path:
         "them (Debian: `apt-get install postgresql`) or point at a server with CRL_TEST_POSTGRES_URL")
 
 
-class PostgresCluster:
+class PostgresCluster(LocalService):
     """One PostgreSQL cluster in `data_dir`, started on a free loopback port."""
 
     def __init__(self, data_dir: Path, *, port: int | None = None, bin_dir: Path | str | None = None) -> None:
@@ -127,9 +127,3 @@ class PostgresCluster:
                 connection.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()

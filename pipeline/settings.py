@@ -163,9 +163,7 @@ class Settings(BaseSettings):
     def schedule(self) -> Schedule:
         """The run's schedule: the scheduler's settings with the actor trainer's group size, groups per step and
         warm-up, so the two cannot disagree."""
-        trainer = self.actor_trainer
-        return Schedule(scheduler=self.scheduler, envs=self.envs, group_size=trainer.group_size,
-                        groups_per_step=trainer.groups_per_step, warmup_steps=trainer.warmup_steps)
+        return Schedule.of(self.scheduler, self.envs, self.actor_trainer)
 
     def run_config(self) -> dict[str, Any]:
         """These settings as a run config (plain YAML-able data, what `Settings(config=path)` reads back), secrets in

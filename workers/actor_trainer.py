@@ -28,7 +28,6 @@ import torch
 from pipeline.actor.metrics import episode_metrics
 from pipeline.actor.settings import FROZEN_ACTOR_ARMS
 from pipeline.rl.batching import ClosedStep, StepCollector
-from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
@@ -36,16 +35,15 @@ from pipeline.rl.training import (
     WarmStart,
     actor_batch,
     events_of,
-    replica_step,
     unpublished,
 )
-from pipeline.rl.versions import checkpoints_root
+from pipeline.run.trainer_worker import TrainerWorker
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import LogPosition, SqlOffsetStore
-from pipeline.runtime.runner import Origin, Worker, WorkerIO
+from pipeline.runtime.runner import Origin, WorkerIO
 from pipeline.runtime.transport import OffsetStore, Position
 from pipeline.settings import Settings
-from schemas.base import Event, Producer
+from schemas.base import Event
 from schemas.topics import POLICY, TRAIN_STEPS, TRAJECTORIES
 from schemas.training import TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted
@@ -90,12 +88,13 @@ def step_metrics(trajectories: list[TrajectoryCompleted], advantages: torch.Tens
 
 
 def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed: ClosedStep) -> TrainStepCompleted:
-    """One GRPO update on a closed step; returns the `TrainStepCompleted` that records it (not yet saved)."""
+    """One update (the loss of `settings.loss`, GRPO by default) on a closed step; returns the `TrainStepCompleted`
+    that records it (not yet saved)."""
     trajectories = closed.trajectories
     samples, advantages = actor_batch(trajectories, settings)
     started = time.perf_counter()
     before = trainer.weight_hash
-    result = trainer.step(samples, "grpo")
+    result = trainer.step(samples)
     metrics = {
         "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
         "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,
@@ -126,8 +125,9 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
                                                      settings.rollout, progress)
 
 
-class ActorTrainer(Worker):
+class ActorTrainer(TrainerWorker):
     name = "actor_trainer"
+    role = "actor"
     consumes = (TRAJECTORIES,)
     consumption = "assign"
     produces = (POLICY, TRAIN_STEPS)
@@ -137,13 +137,7 @@ class ActorTrainer(Worker):
         self.log = context.log
         self.arm = context.settings.scheduler.arm
         self.frozen = self.arm in FROZEN_ACTOR_ARMS
-        self.trainer = PolicyTrainer("actor", self.settings, checkpoints_root(context.run_dir, "actor"),
-                                     context.settings.resolved_run_id,
-                                     Producer(worker=self.name, instance=context.instance),
-                                     warm_start=actor_warm_start(context.settings),
-                                     announce=context.announce,
-                                     parallel=context.parallel,
-                                     temperature=context.settings.rollout.generation.temperature)
+        self.trainer = self.policy_trainer(context, actor_warm_start(context.settings))
         self.collector = StepCollector(
             self.settings.group_size, self.settings.groups_per_step,
             # deterministic mode never trains a step short of a group
@@ -153,19 +147,12 @@ class ActorTrainer(Worker):
         )
 
     @classmethod
-    def build(cls, context: WorkerContext) -> ActorTrainer:
-        return cls(context)
-
-    @classmethod
-    def data_parallel(cls, settings: Settings) -> TrainerSettings:
+    def trainer_settings(cls, settings: Settings) -> TrainerSettings:
         return settings.actor_trainer
 
     @classmethod
-    def serve_rank(cls, settings: Settings, parallel: DataParallel) -> int:
-        """A rank above 0: the newest checkpoint rank 0 wrote, then the steps rank 0 broadcasts."""
-        root = checkpoints_root(settings.run_dir, "actor")
-        temperature = settings.rollout.generation.temperature
-        return parallel.follow(replica_step("actor", settings.actor_trainer, root, temperature))
+    def temperature(cls, settings: Settings) -> float:
+        return settings.rollout.generation.temperature
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return _PendingAwarePositions(context.sql_offset_store(self.name), self.collector)

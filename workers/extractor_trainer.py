@@ -33,20 +33,17 @@ import time
 from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK, FROZEN_EXTRACTOR_ARMS
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
-from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.settings import TrainerSettings
 from pipeline.rl.training import (
-    PolicyTrainer,
     PolicyVersion,
     WarmStart,
     events_of,
-    replica_step,
     unpublished,
 )
-from pipeline.rl.versions import checkpoints_root
+from pipeline.run.trainer_worker import TrainerWorker
 from pipeline.runtime.context import WorkerContext
 from pipeline.runtime.offsets import FromTheStart
-from pipeline.runtime.runner import Origin, Worker, WorkerIO
+from pipeline.runtime.runner import Origin, WorkerIO
 from pipeline.runtime.transport import OffsetStore
 from pipeline.settings import Settings
 from schemas.base import Event, Producer
@@ -72,8 +69,9 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
                                                          merges=settings.scheduler.merge_every > 0)
 
 
-class ExtractorTrainer(Worker):
+class ExtractorTrainer(TrainerWorker):
     name = "extractor_trainer"
+    role = "extractor"
     consumes = (EXTRACTIONS, TRAJECTORIES, TRAIN_STEPS)
     consumption = "assign"
     produces = (POLICY, TRAIN_STEPS)
@@ -83,13 +81,7 @@ class ExtractorTrainer(Worker):
         self.settings = context.settings.extractor_trainer
         self.log = context.log
         self.arm = context.settings.scheduler.arm
-        self.trainer = PolicyTrainer("extractor", self.settings, checkpoints_root(context.run_dir, "extractor"),
-                                     context.settings.resolved_run_id,
-                                     Producer(worker=self.name, instance=context.instance),
-                                     warm_start=extractor_warm_start(context.settings),
-                                     announce=context.announce,
-                                     parallel=context.parallel,
-                                     temperature=context.settings.extractor.generation.temperature)
+        self.trainer = self.policy_trainer(context, extractor_warm_start(context.settings))
         settings = context.settings
         self.deterministic = settings.scheduler.deterministic
         self.join = ExtractorJoin(canonical=self.deterministic, parse_error_reward=self.settings.parse_error_reward)
@@ -106,19 +98,12 @@ class ExtractorTrainer(Worker):
         """Deterministic mode: the next step to settle (one past the last this run's trainer settled)."""
 
     @classmethod
-    def build(cls, context: WorkerContext) -> ExtractorTrainer:
-        return cls(context)
-
-    @classmethod
-    def data_parallel(cls, settings: Settings) -> TrainerSettings:
+    def trainer_settings(cls, settings: Settings) -> TrainerSettings:
         return settings.extractor_trainer
 
     @classmethod
-    def serve_rank(cls, settings: Settings, parallel: DataParallel) -> int:
-        """A rank above 0: the newest checkpoint rank 0 wrote, then the steps rank 0 broadcasts."""
-        root = checkpoints_root(settings.run_dir, "extractor")
-        temperature = settings.extractor.generation.temperature
-        return parallel.follow(replica_step("extractor", settings.extractor_trainer, root, temperature))
+    def temperature(cls, settings: Settings) -> float:
+        return settings.extractor.generation.temperature
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return FromTheStart()  # the join state is rebuilt by reading every input from offset 0
@@ -200,7 +185,7 @@ class ExtractorTrainer(Worker):
         step = self.trainer.current.version + 1
         started = time.perf_counter()
         before = self.trainer.weight_hash
-        result = self.trainer.step(batch.samples, "cispo")
+        result = self.trainer.step(batch.samples)
         metrics = {
             "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
             "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,

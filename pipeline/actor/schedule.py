@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 from pipeline.actor.settings import FROZEN_ACTOR_ARMS, SchedulerSettings
 from pipeline.envs.registry import draw_tasks, env_spec, task_pool
@@ -43,13 +44,33 @@ def finished_id(run_id: str, attempt: int) -> uuid.UUID:
     return scheduled_id(run_id, "finished" if attempt == 0 else f"finished-{attempt}")
 
 
+class GroupShape(Protocol):
+    """What the schedule takes from the actor trainer's settings (`ActorTrainerSettings`)."""
+
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def groups_per_step(self) -> int: ...
+    @property
+    def warmup_steps(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Schedule:
+    """Which episodes each step plays: the scheduler's settings, the tasks, and the actor trainer's groups."""
+
     scheduler: SchedulerSettings
     envs: EnvSettings
     group_size: int
     groups_per_step: int
     warmup_steps: int
+
+    @classmethod
+    def of(cls, scheduler: SchedulerSettings, envs: EnvSettings, trainer: GroupShape) -> Schedule:
+        """The one way a run's schedule is made: by the scheduler and the run's settings (`Settings.schedule`), and
+        again from a run's recorded config by the tracker, so the two cannot disagree."""
+        return cls(scheduler=scheduler, envs=envs, group_size=trainer.group_size,
+                   groups_per_step=trainer.groups_per_step, warmup_steps=trainer.warmup_steps)
 
     def required_version(self, step: int) -> int:
         """Oldest actor version allowed to play `step`: every trainable step before it, less the staleness bound."""

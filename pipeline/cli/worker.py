@@ -49,13 +49,14 @@ def worker(
     parallel = None
     if rank is not None:
         from pipeline.rl.data_parallel import DataParallel
+        from pipeline.run.trainer_worker import TrainerWorker
 
-        trainer = kind.data_parallel(settings)
-        if trainer is None:
+        if not issubclass(kind, TrainerWorker):
             raise fail(f"worker {name!r} does not run data-parallel; start it without torchrun", 2)
         if rank.rank > 0:
             instance = f"{instance}-rank{rank.rank}"
         configure_logging(State.log_level, settings.run_dir / "logs" / f"{instance}.log")
+        trainer = kind.trainer_settings(settings)
         parallel = DataParallel.join(rank, device=trainer.model.device, timeout_s=trainer.rank_timeout_s)
         if rank.rank > 0:
             # Rank 0 decides when to stop (after its current step) and releases the others; a signal meant for the

@@ -174,12 +174,8 @@ class PolicyModel(ABC):
         """Forget what `generate` kept for `sessions` (all of them for None); a no-op for backends that keep none."""
 
     @abstractmethod
-    def token_logprobs(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        response_ids: Sequence[Sequence[int]],
-        temperature: float = 1.0,
-    ) -> list[torch.Tensor]:
+    def token_logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
         """Per row a `(len(response_ids[i]),)` float32 tensor: `log p(response[t] | prompt, response[:t])` under
         `softmax(logits / temperature)` (temperature 0 counts as 1)."""
 

@@ -407,12 +407,8 @@ class TransformersPolicy(PolicyModel):
 
     # -- scoring --------------------------------------------------------------------------------------------------
 
-    def token_logprobs(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        response_ids: Sequence[Sequence[int]],
-        temperature: float = 1.0,
-    ) -> list[torch.Tensor]:
+    def token_logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
         if len(prompt_ids) != len(response_ids):
             raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         if temperature < 0:

@@ -116,12 +116,8 @@ class VllmPolicy(PolicyModel):
             ))
         return generations
 
-    def token_logprobs(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        response_ids: Sequence[Sequence[int]],
-        temperature: float = 1.0,
-    ) -> list[torch.Tensor]:
+    def token_logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
         """Scores through vLLM's prompt log-probs (no grad). Those are computed from the raw logits, so only
         temperature 1 (or 0, which means 1) is supported; training uses `TransformersPolicy.token_logprobs`."""
         if temperature not in (0.0, 1.0):

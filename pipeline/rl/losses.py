@@ -19,13 +19,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
 from pipeline.errors import InvalidArgumentError
 from pipeline.rl.advantages import check_choice
+from pipeline.rl.settings import LossVariant
 
-LOSS_VARIANTS = ("grpo", "cispo")
+LOSS_VARIANTS: tuple[str, ...] = get_args(LossVariant)
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 

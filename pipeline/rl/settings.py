@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.models.settings import ModelSettings
 
+LossVariant = Literal["grpo", "cispo"]
+"""The policy losses (`pipeline.rl.losses.policy_loss`): each trainer's `loss` setting names the one its steps run and
+its `TrainStepCompleted` records, which is the one `crl replay train` runs again."""
+
 DEFAULT_REPLAY_RANKS = 8
 """The most local gloo ranks `crl replay train` starts for one data-parallel step unless told otherwise."""
 
@@ -26,6 +30,10 @@ class TrainerSettings(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
     eps_low: float = Field(default=0.2, ge=0, lt=1, description="Lower clip of the ratio: 1 - eps_low.")
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip of the ratio: 1 + eps_high.")
+    loss: LossVariant = Field(
+        default="grpo",
+        description="The policy loss every step runs and records: grpo (PPO-clipped ratio, the actor's) or cispo "
+        "(clipped importance weight, no gradient through it; the extractor's). See docs/training.md.")
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         default="token-mean",
         description="How token losses reduce to the batch loss, recorded in every train step: token-mean (every "
@@ -163,6 +171,8 @@ class ActorTrainerSettings(TrainerSettings):
 class ExtractorTrainerSettings(TrainerSettings):
     """The extractor trainer (CISPO with Eq. 7 weights). Environment: `CRL_EXTRACTOR_TRAINER__<FIELD>`."""
 
+    loss: LossVariant = Field(default="cispo", description="The policy loss every step runs and records (see the "
+                              "actor's); CISPO keeps a gradient on tokens whose ratio is clipped.")
     eps_low: float = Field(default=0.1, ge=0, lt=1, description="CISPO's lower clip of the importance weight.")
     eps_high: float = Field(default=0.1, ge=0, description="CISPO's upper clip of the importance weight.")
     buffer_size: int = Field(default=64, gt=0, description="Rewarded generations per CISPO step (paper 64).")

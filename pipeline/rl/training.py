@@ -275,12 +275,13 @@ class PolicyTrainer:
     def world_size(self) -> int:
         return self.parallel.world_size if self.parallel is not None else 1
 
-    def step(self, samples: Sequence[Sample], variant: str) -> StepResult:
-        """One update; data-parallel, every rank takes it and must end with the same weights."""
+    def step(self, samples: Sequence[Sample]) -> StepResult:
+        """One update with the loss of the settings (`train_step_event` records the same); data-parallel, every rank
+        takes it and must end with the same weights."""
         if self.parallel is None:
-            return self.update.run(samples, variant)
+            return self.update.run(samples, self.settings.loss)
         version = self.current.version + 1
-        return self.parallel.step(self.update, samples, variant, f"{self.role} version {version}")
+        return self.parallel.step(self.update, samples, self.settings.loss, f"{self.role} version {version}")
 
     def keep_alive(self) -> None:
         """Between steps: tell the other ranks rank 0 is still there (nothing without a group)."""
@@ -298,7 +299,7 @@ class PolicyTrainer:
         return TrainStepCompleted(
             event_id=event_id_for(self.run_id, self.role, version, "train-step"),
             run_id=self.run_id, producer=self.producer, role=self.role, policy_version=version,
-            loss_variant="grpo" if self.role == "actor" else "cispo", aggregation=self.settings.aggregation,
+            loss_variant=self.settings.loss, aggregation=self.settings.aggregation,
             world_size=self.world_size, **fields,
         )
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.run.trainer_worker import trainer_settings
 from pipeline.runtime.launch import WorkerClass, load_worker_registry
 from pipeline.settings import Settings
 
@@ -67,7 +68,7 @@ def instance_count(settings: Settings, kind: WorkerClass) -> int:
 def trainer_ranks(kind: WorkerClass, settings: Settings) -> int:
     """How many data-parallel ranks `crl run` starts the kind as (its trainer settings' `ranks`; 1 for a kind that
     does not train data-parallel)."""
-    trainer = kind.data_parallel(settings)
+    trainer = trainer_settings(kind, settings)
     return 1 if trainer is None else int(trainer.ranks)
 
 

@@ -113,20 +113,6 @@ class Worker(ABC):
         reads `tracker.enabled`."""
         return True
 
-    @classmethod
-    def data_parallel(cls, settings: Any) -> Any:
-        """For a kind that trains data-parallel: its trainer settings (`pipeline.rl.settings.TrainerSettings`: `ranks`,
-        `rank_timeout_s`, `model.device`), from which `crl run` starts it under torchrun when `ranks` > 1; None
-        (the default): the kind runs as one process."""
-        return None
-
-    @classmethod
-    def serve_rank(cls, settings: Any, parallel: Any) -> int:
-        """The work of a data-parallel rank above 0 (`parallel`, a `pipeline.rl.data_parallel.DataParallel`): take
-        the steps rank 0 (the worker itself) broadcasts until it says stop; returns the steps taken. The kinds with
-        `data_parallel` settings implement it."""
-        raise ConfigError(f"worker kind {cls.name!r} does not run data-parallel: start it without torchrun")
-
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         """Where assign-mode positions live; default the run's SQL database. A projection that stores its position
         with its state in one transaction overrides this."""

@@ -85,10 +85,9 @@ def _metric_name(name: str) -> str:
 def schedule_from(started: RunStarted) -> Schedule:
     """The run's schedule as `RunStarted` recorded its settings (the same function of them the scheduler used)."""
     config = started.config
-    trainer = ActorTrainerSettings.model_validate(config.get("actor_trainer", {}))
-    return Schedule(scheduler=SchedulerSettings.model_validate(config.get("scheduler", {})),
-                    envs=EnvSettings.model_validate(config.get("envs", {})), group_size=trainer.group_size,
-                    groups_per_step=trainer.groups_per_step, warmup_steps=trainer.warmup_steps)
+    return Schedule.of(SchedulerSettings.model_validate(config.get("scheduler", {})),
+                       EnvSettings.model_validate(config.get("envs", {})),
+                       ActorTrainerSettings.model_validate(config.get("actor_trainer", {})))
 
 
 @dataclass

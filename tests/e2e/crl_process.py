@@ -29,3 +29,21 @@ def crl_run(config: str, steps: int, run_dir: Path, env: dict[str, str], timeout
         logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
         pytest.fail(f"crl run exited {result.returncode}:\n{output[-5000:]}\n{logs}")
     return output
+
+
+def assert_replays_match(run_dir: Path, env: dict[str, str], actor_steps: int, *, extractor: bool = False,
+                         snapshot: bool = False, timeout: float = 600) -> None:
+    """`crl replay bank` rebuilds the live SQL bank (and, with `snapshot`, its snapshot) from the op log, and
+    `crl replay train` reproduces every recorded weight hash of the actor's `actor_steps` steps (and, with
+    `extractor`, of the extractor's steps)."""
+    bank = crl("replay", "bank", str(run_dir), env=env, timeout=timeout)
+    assert bank.returncode == 0, bank.stdout + bank.stderr
+    assert "live SQL bank" in bank.stdout and "NO" not in bank.stdout, bank.stdout
+    if snapshot:
+        assert "snapshot" in bank.stdout, bank.stdout
+    train = crl("replay", "train", str(run_dir), env=env, timeout=timeout)
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert f"actor: {actor_steps} steps replayed, every weight hash matches" in train.stdout, train.stdout
+    if extractor:
+        assert "extractor:" in train.stdout and "every weight hash matches" in train.stdout.split("extractor:")[1], \
+            train.stdout

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from crl_process import assert_replays_match
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from infra.kafka import KafkaSettings, make_admin
@@ -122,10 +123,4 @@ def test_a_run_that_loses_one_of_three_brokers_carries_on_to_the_end(cluster_run
 def test_both_replays_match_after_the_broker_died(cluster_run):
     assert cluster_run.returncode == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"HF_HUB_OFFLINE": "1"}
-    bank = subprocess.run([*CRL, "replay", "bank", str(cluster_run.run_dir)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert bank.returncode == 0 and "live SQL bank" in bank.stdout and "NO" not in bank.stdout, bank.stdout
-    train = subprocess.run([*CRL, "replay", "train", str(cluster_run.run_dir)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert f"actor: {STEPS - 1} steps replayed, every weight hash matches" in train.stdout
+    assert_replays_match(cluster_run.run_dir, env, STEPS - 1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from crl_process import crl, crl_run
+from crl_process import assert_replays_match, crl, crl_run
 
 from pipeline.audit.views import Audit
 from pipeline.tracking.readback import mlflow_entries, tensorboard_entries, wandb_entries
@@ -94,12 +94,7 @@ def test_the_log_holds_the_whole_loop(finished_run):
 
 def test_replays_match_the_live_run(finished_run):
     run_dir, env, _output = finished_run
-    bank = crl("replay", "bank", str(run_dir), env=env)
-    assert bank.returncode == 0, bank.stdout + bank.stderr
-    assert "live SQL bank" in bank.stdout and "snapshot" in bank.stdout and "NO" not in bank.stdout
-    train = crl("replay", "train", str(run_dir), env=env, timeout=600)
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
+    assert_replays_match(run_dir, env, 2, snapshot=True)
 
 
 def test_an_experience_with_two_versions_can_be_audited(finished_run):

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from crl_process import crl, crl_run
+from crl_process import assert_replays_match, crl, crl_run
 
 from pipeline.audit.learning import lesson_kinds
 from pipeline.audit.views import Audit
@@ -57,12 +57,7 @@ def test_the_run_evaluates_unseen_corridors_and_keys_lessons_by_goal_and_first_o
 
 def test_both_replays_match_and_the_report_has_the_lesson_quality_panel(signpost_run):
     run_dir, env, _output = signpost_run
-    bank = crl("replay", "bank", str(run_dir), env=env)
-    assert bank.returncode == 0, bank.stdout + bank.stderr
-    assert "live SQL bank" in bank.stdout and "NO" not in bank.stdout
-    train = crl("replay", "train", str(run_dir), env=env, timeout=600)
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
+    assert_replays_match(run_dir, env, 2)
     report = crl("report", str(run_dir), env=env)
     assert report.returncode == 0, report.stdout + report.stderr
     assert 'id="lesson-quality"' in (run_dir / "report" / "report.html").read_text()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from crl_process import assert_replays_match
 
 from pipeline.audit.views import Audit
 
@@ -69,9 +70,4 @@ def test_smollm2_runs_the_whole_loop(smol_run):
 
 def test_both_replays_match(smol_run):
     run_dir, env = smol_run
-    bank = _crl("replay", "bank", str(run_dir), env=env, timeout=600)
-    assert bank.returncode == 0, bank.stdout + bank.stderr
-    train = _crl("replay", "train", str(run_dir), env=env, timeout=1800)
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert "actor: 2 steps replayed, every weight hash matches" in train.stdout
-    assert "extractor:" in train.stdout and "every weight hash matches" in train.stdout
+    assert_replays_match(run_dir, env, 2, extractor=True, timeout=1800)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from crl_process import assert_replays_match
 
 from pipeline.audit.views import Audit
 from pipeline.envs.jvm import engine_requirements
@@ -62,15 +63,6 @@ def mixture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
                 CRL_SCHEDULER__EVAL_EVERY="1", CRL_ENVS__EVAL_TASKS_PER_ENV="2")
 
 
-def _replays_match(run_dir: Path, env: dict[str, str], actor_steps: int) -> None:
-    bank = _crl("replay", "bank", str(run_dir), env=env)
-    assert bank.returncode == 0, bank.stdout + bank.stderr
-    assert "live SQL bank" in bank.stdout and "NO" not in bank.stdout
-    train = _crl("replay", "train", str(run_dir), env=env, timeout=600)
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert f"actor: {actor_steps} steps replayed, every weight hash matches" in train.stdout
-
-
 def test_the_coin_collector_run_plays_distils_trains_and_replays(coin_run):
     run_dir, env, output = coin_run
     assert "completed" in output
@@ -91,7 +83,7 @@ def test_the_coin_collector_run_plays_distils_trains_and_replays(coin_run):
         assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2
         rows = audit.query("SELECT split, sum(episodes) FROM family_success GROUP BY split ORDER BY split")[1]
         assert rows == [("eval", 2 * (4 + 2) * 2), ("train", 3 * 16)]
-    _replays_match(run_dir, env, actor_steps=2)
+    assert_replays_match(run_dir, env, actor_steps=2)
 
 
 def test_the_3task_mixture_shows_each_family_and_replays(mixture_run):
@@ -109,4 +101,4 @@ def test_the_3task_mixture_shows_each_family_and_replays(mixture_run):
     page = (run_dir / "report" / "report.html").read_text()
     section = page.split("<h2>Success per task family", 1)[1].split("</table>", 1)[0]
     assert all(f"<td>{family}</td>" in section for family in ("minihack-room", "twx-cookingworld", "twx-twc"))
-    _replays_match(run_dir, env, actor_steps=1)
+    assert_replays_match(run_dir, env, actor_steps=1)

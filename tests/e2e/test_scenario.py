@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from crl_process import assert_replays_match
 
 from infra.apache_kafka import KAFKA_VERSION
 from pipeline.audit.views import Audit
@@ -377,11 +378,7 @@ def test_the_last_resume_completes_the_run_with_every_step_once(scenario, report
 
 def test_both_replays_match_over_the_whole_run(scenario):
     scenario.phase("completed")
-    bank = scenario.crl("replay", "bank", str(scenario.run_dir), timeout=300)
-    assert bank.returncode == 0 and "live SQL bank" in bank.stdout and "NO" not in bank.stdout, bank.stdout
-    train = scenario.crl("replay", "train", str(scenario.run_dir))
-    assert train.returncode == 0, train.stdout + train.stderr
-    assert f"actor: {STEPS - 1} steps replayed, every weight hash matches" in train.stdout
+    assert_replays_match(scenario.run_dir, scenario.env, STEPS - 1)
 
 
 def test_each_embedded_broker_keeps_its_log_where_it_says(scenario):

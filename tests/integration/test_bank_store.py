@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from alembic import command
+from experience_ops import MODEL, add, key, merge, refine, retire
 from sqlalchemy import (
     BigInteger,
     DateTime,
@@ -28,57 +29,16 @@ from sqlalchemy.exc import IntegrityError
 from infra.db import alembic_config, bank_position, current_revision, experience_versions, experiences, migrate
 from pipeline.bank.state import Applied, BankState, Duplicate, Rejected
 from pipeline.bank.store import BankPosition, BankStore, TrainingUsage
-from schemas.arrays import EmbeddingVector
-from schemas.base import Producer
-from schemas.experiences import (
-    ExperienceAdded,
-    ExperienceMerged,
-    ExperienceRefined,
-    ExperienceRetired,
-    VersionedExperience,
-)
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 pytestmark = pytest.mark.integration
 
-WHO = Producer(worker="extractor", instance="extractor-0")
-MODEL = "all-MiniLM-L6-v2"
 TOPIC = EXPERIENCE_OPS_TOPIC.name
 LOG_ID = "log-0001"
 BANK_TABLES = ("experiences", "experience_versions", "bank_position")
 
 
 # --- ops and states, built with the real state machine -------------------------------------------------------------
-
-
-def key(*values: float, model: str = MODEL) -> EmbeddingVector:
-    return EmbeddingVector.from_array(model, np.array(values or (1.0, 0.0, 0.0, 0.0)))
-
-
-def add(op_id: str, experience_id: str, text: str = "go to the stairs", family: str = "room",
-        vector: EmbeddingVector | None = None) -> ExperienceAdded:
-    return ExperienceAdded(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
-                           text=text, key=vector or key(), generation_id=f"gen-{op_id}", extractor_version=0,
-                           source_trajectory_ids=(f"traj-{op_id}",))
-
-
-def refine(op_id: str, experience_id: str, expected: int, text: str) -> ExperienceRefined:
-    return ExperienceRefined(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id,
-                             expected_version=expected, text=text, generation_id=f"gen-{op_id}", extractor_version=1,
-                             source_trajectory_ids=(f"traj-{op_id}",))
-
-
-def merge(op_id: str, experience_id: str, sources: dict[str, int], family: str = "room") -> ExperienceMerged:
-    return ExperienceMerged(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
-                            text=f"merged {'+'.join(sources)}", key=key(0.0, 1.0, 0.0, 0.0),
-                            sources=tuple(VersionedExperience(experience_id=i, expected_version=v)
-                                          for i, v in sources.items()),
-                            generation_id=f"gen-{op_id}", extractor_version=1)
-
-
-def retire(op_id: str, experience_id: str, expected: int, reason: str = "capacity") -> ExperienceRetired:
-    return ExperienceRetired(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id,
-                             expected_version=expected, reason=reason)
 
 
 # Offsets 0-4: three adds (one in another family, one with a key that float16 rounds), a refine, a duplicate.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer
+from worker_processes import _stop
 
 from infra.db import DbSettings, database_url, make_engine, migrate
 from infra.postgres import PostgresCluster, PostgresClusterError
@@ -18,6 +19,7 @@ from pipeline.bank.replay import replay
 from pipeline.bank.snapshots import newest_snapshot, read_snapshot, snapshots_root
 from pipeline.bank.store import BankStore
 from pipeline.bank.synthetic import synthetic_op_log
+from pipeline.settings import Settings
 from schemas.codec import decode, encode
 from schemas.topics import BANK_SNAPSHOTS, EXPERIENCE_OPS_TOPIC
 
@@ -118,33 +120,37 @@ def test_bank_killed_mid_batch_and_restarted_matches_a_clean_rebuild(kafka_boots
             in replayed.stdout
     finally:
         producer.close()
-        bank.send_signal(signal.SIGTERM)
-        try:
-            bank.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            bank.kill()
+        _stop(bank)
     assert bank.returncode == 0, log.read_text()[-3000:]
+
+
+def _project_synthetic_ops(bootstrap: str, run_dir: Path, run_id: str, count: int, *, seed: int,
+                           snapshot_every: int) -> tuple[list, Settings]:
+    """`count` synthetic ops on crl.experience-ops, projected by a bank worker until it has read them all."""
+    from infra.kafka import KafkaSettings
+    from pipeline.bank.settings import BankSettings
+    from pipeline.runtime.launch import build_runner
+    from pipeline.runtime.runner import Limits
+    from pipeline.runtime.settings import RunnerSettings
+    from workers.bank import BankProjection
+
+    ops = synthetic_op_log(count, seed=seed, run_id=run_id)
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for op in ops:
+        producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
+    producer.close()
+    settings = Settings(run_dir=run_dir, run_id=run_id, kafka=KafkaSettings(bootstrap_servers=bootstrap),
+                        runner=RunnerSettings(poll_timeout_ms=50), bank=BankSettings(snapshot_every=snapshot_every))
+    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=len(ops), timeout_s=60)).run()
+    return ops, settings
 
 
 def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstrap, tmp_path):
     from kafka import TopicPartition
 
     from infra.kafka import KafkaSettings, make_consumer
-    from pipeline.bank.settings import BankSettings
-    from pipeline.runtime.launch import build_runner
-    from pipeline.runtime.runner import Limits
-    from pipeline.runtime.settings import RunnerSettings
-    from pipeline.settings import Settings
-    from workers.bank import BankProjection
 
-    ops = synthetic_op_log(250, seed=3, run_id="bank-it")
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
-    for op in ops:
-        producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
-    producer.close()
-    settings = Settings(run_dir=tmp_path, run_id="bank-it", kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
-                        runner=RunnerSettings(poll_timeout_ms=50), bank=BankSettings(snapshot_every=100))
-    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=len(ops), timeout_s=60)).run()
+    ops, _ = _project_synthetic_ops(kafka_bootstrap, tmp_path, "bank-it", 250, seed=3, snapshot_every=100)
     consumer = make_consumer(KafkaSettings(bootstrap_servers=kafka_bootstrap))
     consumer.assign([TopicPartition(BANK_SNAPSHOTS.name, 0)])
     consumer.seek_to_beginning()
@@ -164,23 +170,11 @@ def test_bank_publishes_snapshot_events_that_match_their_manifests(kafka_bootstr
 def test_replay_bank_from_the_archive_matches_and_a_tampered_bank_fails(kafka_bootstrap, tmp_path):
     from sqlalchemy import text
 
-    from infra.kafka import KafkaSettings
-    from pipeline.bank.settings import BankSettings
     from pipeline.runtime.launch import build_runner
     from pipeline.runtime.runner import Limits
-    from pipeline.runtime.settings import RunnerSettings
-    from pipeline.settings import Settings
     from workers.archiver import Archiver
-    from workers.bank import BankProjection
 
-    ops = synthetic_op_log(300, seed=11, run_id="replay-it")
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
-    for op in ops:
-        producer.send(EXPERIENCE_OPS_TOPIC.name, key=EXPERIENCE_OPS_TOPIC.key_bytes(op), value=encode(op))
-    producer.close()
-    settings = Settings(run_dir=tmp_path, run_id="replay-it", kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
-                        runner=RunnerSettings(poll_timeout_ms=50), bank=BankSettings(snapshot_every=120))
-    build_runner(BankProjection, settings, instance="bank-0", limits=Limits(max_events=len(ops), timeout_s=60)).run()
+    ops, settings = _project_synthetic_ops(kafka_bootstrap, tmp_path, "replay-it", 300, seed=11, snapshot_every=120)
     # The archiver also reads the two BankSnapshotWritten events the bank published.
     build_runner(Archiver, settings, instance="archiver-0", limits=Limits(max_events=len(ops) + 2, timeout_s=60)).run()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"COLUMNS": "200"}

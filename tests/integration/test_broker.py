@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer, TopicPartition
+from worker_processes import _stop
 
 from infra.kafka import KafkaSettings, make_admin, make_consumer
 from pipeline.audit.views import Audit
@@ -314,11 +315,7 @@ def test_archiver_killed_mid_stream_and_restarted_archives_exactly_the_produced_
         assert {row[0] for row in ids} == produced
     finally:
         producer.close()
-        archiver.send_signal(signal.SIGTERM)
-        try:
-            archiver.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            archiver.kill()
+        _stop(archiver)
     assert archiver.returncode == 0, log.read_text()[-3000:]
 
 

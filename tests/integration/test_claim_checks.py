@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer
-from worker_processes import CRL, _env, _start, _stop, _wait_for
+from worker_processes import CRL, _env, _replays_train, _start, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint
@@ -101,7 +101,4 @@ def test_a_forty_turn_trajectory_of_ten_thousand_token_prompts_trains_replays_an
                             f"'{long.trajectory_id}'"], env=env, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert _rows(shown.stdout) == [{"turns": TURNS, "response_tokens": TURNS * len(long.turns[0].response_token_ids)}]
-    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "actor"], env=env,
-                              capture_output=True, text=True, timeout=900)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "actor: 1 steps replayed, every weight hash matches" in replayed.stdout
+    _replays_train(tmp_path, env, "actor", "actor: 1 steps replayed, every weight hash matches", timeout_s=900)

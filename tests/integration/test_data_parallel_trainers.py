@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_trainers import _archived_kinds, _published
-from worker_processes import CRL, _env, _send, _stop, _wait_for
+from worker_processes import CRL, _env, _replays_train, _send, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint
@@ -71,10 +71,7 @@ def test_two_ranks_train_steps_that_replay_on_two_ranks(kafka_bootstrap, tmp_pat
         _stop(trainer)
         _stop(archiver)
     assert "actor_trainer rank 1 of 2 stopped after 2 steps" in log.read_text()
-    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "actor"], env=env,
-                              capture_output=True, text=True, timeout=600)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "actor: 2 steps replayed, every weight hash matches (world size 2)" in replayed.stdout
+    _replays_train(tmp_path, env, "actor", "actor: 2 steps replayed, every weight hash matches (world size 2)")
     limited = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "actor", "--max-ranks", "1"], env=env,
                              capture_output=True, text=True, timeout=300)
     assert limited.returncode == 2, limited.stdout + limited.stderr
@@ -105,10 +102,7 @@ def test_two_extractor_ranks_train_a_step_that_replays_on_two_ranks(kafka_bootst
     finally:
         _stop(trainer)
         _stop(archiver)
-    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "extractor"], env=env,
-                              capture_output=True, text=True, timeout=600)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "extractor: 1 steps replayed, every weight hash matches (world size 2)" in replayed.stdout
+    _replays_train(tmp_path, env, "extractor", "extractor: 1 steps replayed, every weight hash matches (world size 2)")
 
 
 def test_a_rank_killed_mid_step_fails_the_trainer_and_a_restart_resumes_without_duplicate_or_gap(

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from worker_processes import CRL, _env, _send, _start, _stop, _wait_for
+from worker_processes import _env, _replays_train, _send, _start, _stop, _wait_for
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint, manifest_sha256
@@ -68,10 +67,7 @@ def test_actor_trainer_publishes_steps_that_replay_exactly(kafka_bootstrap, tmp_
     finally:
         _stop(trainer)
         _stop(archiver)
-    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path), "--role", "actor"], env=env,
-                              capture_output=True, text=True, timeout=300)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "actor: 2 steps replayed, every weight hash matches" in replayed.stdout
+    _replays_train(tmp_path, env, "actor", "actor: 2 steps replayed, every weight hash matches", timeout_s=300)
 
 
 def test_extractor_trainer_credits_generations_and_rebuilds_its_join_after_restart(kafka_bootstrap, tmp_path):
@@ -120,10 +116,7 @@ def test_extractor_trainer_credits_generations_and_rebuilds_its_join_after_resta
     finally:
         _stop(trainer)
         _stop(archiver)
-    replayed = subprocess.run([*CRL, "replay", "train", str(tmp_path)], env=env, capture_output=True, text=True,
-                              timeout=300)
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "extractor: 2 steps replayed, every weight hash matches" in replayed.stdout
+    _replays_train(tmp_path, env, "extractor", "extractor: 2 steps replayed, every weight hash matches", timeout_s=300)
 
 
 def test_trainer_killed_between_checkpoint_and_publish_resumes_without_duplicate_or_gap(kafka_bootstrap, tmp_path):

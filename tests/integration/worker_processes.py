@@ -1,5 +1,6 @@
 """Worker processes for integration tests: settings for a tiny run, start/stop as `crl worker` subprocesses, wait for
-a condition with the workers' log on failure, and publish events as a raw client would."""
+a condition with the workers' log on failure, publish events as a raw client would, and `crl replay train` what the
+trainers recorded."""
 
 from __future__ import annotations
 
@@ -77,3 +78,12 @@ def _send(bootstrap: str, events: list[Event]) -> None:
     producer.close()
 
 
+
+
+def _replays_train(run_dir: Path, env: dict[str, str], role: str, expected: str, timeout_s: float = 600) -> None:
+    """`crl replay train RUN_DIR --role ROLE` exits 0 and says `expected` (e.g. "actor: 2 steps replayed, every
+    weight hash matches")."""
+    replayed = subprocess.run([*CRL, "replay", "train", str(run_dir), "--role", role], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert expected in replayed.stdout, replayed.stdout

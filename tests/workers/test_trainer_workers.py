@@ -34,12 +34,18 @@ def test_the_actor_trainer_publishes_version_0_then_trains_a_complete_step(tmp_p
     assert result.committed == {("crl.trajectories", 0): 4}
 
 
-def test_the_extractor_trainer_trains_once_its_buffer_holds_credited_generations(tmp_path):
-    settings = settings_for(tmp_path)
+def _generations_and_the_episodes_they_guided() -> tuple[list, list]:
+    """Two extractor generations, and four guided episodes of step 1 that were served their lessons."""
     generations = synthetic_extractions(build_tiny(TINY.model_copy(update={"seed": 1})), run_id=RUN, count=2,
                                         seed=2)
     guided = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=1, groups=1, group_size=4, seed=3,
                                     served_generations=[g.generation_id for g in generations])
+    return generations, guided
+
+
+def test_the_extractor_trainer_trains_once_its_buffer_holds_credited_generations(tmp_path):
+    settings = settings_for(tmp_path)
+    generations, guided = _generations_and_the_episodes_they_guided()
     worker, context = build_worker(ExtractorTrainer, settings)
     result = run_worker(worker, [*generations, *guided], context=context)
     published = [e for e in result.outputs if isinstance(e, PolicyPublished)]
@@ -121,10 +127,7 @@ def test_in_the_frozen_arm_neither_trainer_trains(tmp_path):
     assert [(e.kind, e.version) for e in played.outputs if isinstance(e, PolicyPublished)] == [("PolicyPublished", 0)]
     assert not any(isinstance(e, TrainStepCompleted) for e in played.outputs)
 
-    generations = synthetic_extractions(build_tiny(TINY.model_copy(update={"seed": 1})), run_id=RUN, count=2,
-                                        seed=2)
-    guided = synthetic_trajectories(build_tiny(TINY), run_id=RUN, step=1, groups=1, group_size=4, seed=3,
-                                    served_generations=[g.generation_id for g in generations])
+    generations, guided = _generations_and_the_episodes_they_guided()
     extractor, context = build_worker(ExtractorTrainer, settings)
     credited = run_worker(extractor, [*generations, *guided], context=context)
     assert [e.version for e in credited.outputs if isinstance(e, PolicyPublished)] == [0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from experience_ops import add, refine
 from typer.testing import CliRunner
 
 from pipeline.audit.archive import archive_root, archive_row, write_segments
@@ -22,9 +23,7 @@ from pipeline.runtime.harness import MEMORY_LOG_ID, run_worker
 from schemas.arrays import EmbeddingVector
 from schemas.base import Event, Producer
 from schemas.experiences import (
-    ExperienceAdded,
     ExperienceMerged,
-    ExperienceRefined,
     ExperienceRetired,
     VersionedExperience,
 )
@@ -47,14 +46,13 @@ def common(seconds: int) -> dict:
 
 
 def added(offset: int, op_id: str, experience_id: str, text: str, generation_id: str, sources: tuple[str, ...]):
-    return ExperienceAdded(**common(offset), op_id=op_id, experience_id=experience_id, task_family=FAMILY, text=text,
-                           key=KEY, generation_id=generation_id, extractor_version=0, source_trajectory_ids=sources)
+    return add(op_id, experience_id, text, FAMILY, KEY, **common(offset), generation_id=generation_id,
+               source_trajectory_ids=sources)
 
 
 def refined(offset: int, op_id: str, experience_id: str, expected: int, text: str, generation_id: str):
-    return ExperienceRefined(**common(offset), op_id=op_id, experience_id=experience_id, expected_version=expected,
-                             text=text, generation_id=generation_id, extractor_version=1,
-                             source_trajectory_ids=(f"traj-{generation_id}",))
+    return refine(op_id, experience_id, expected, text, **common(offset), generation_id=generation_id,
+                  source_trajectory_ids=(f"traj-{generation_id}",))
 
 
 ADD_B = added(1, "gen-1:1", "exp-b", "B1: stairs are often in a corner.", "gen-1", ("traj-1",))

@@ -64,7 +64,7 @@ def test_the_replay_trains_on_the_copy_the_join_kept(tmp_path: Path) -> None:
     assert batch is not None and str(log[2].event_id) in batch.event_ids
     assert trained_copies(e for e in log if isinstance(e, ExtractionGenerated))[str(log[2].event_id)] is log[2]
     before = trainer.weight_hash
-    result = trainer.step(batch.samples, "cispo")
+    result = trainer.step(batch.samples)
     recorded = trainer.train_step_event(
         step=1, batch_event_ids=batch.event_ids, weight_hash_before=before, weight_hash_after=trainer.weight_hash,
         loss=result.loss, tokens=result.tokens, metrics={}, rewards=batch.rewards, advantages=batch.advantages,

@@ -95,3 +95,21 @@ def test_a_step_of_more_ranks_than_the_replay_may_start_is_reported_as_not_repla
     assert result.exit_code == 2, result.output
     assert "cannot replay here after 1 matching steps" in result.output
     assert "weight hash after" not in result.output
+
+
+def test_a_run_of_the_actor_on_the_cispo_loss_records_it_and_replays_it(tmp_path, record_actor_run):
+    """The loss is a setting: the step runs it, `TrainStepCompleted` records it, and the replay runs the recorded one
+    (replayed with the actor's default, GRPO, the weights would differ at step 1)."""
+    events = record_actor_run(tmp_path, SETTINGS.model_copy(update={"loss": "cispo"}))
+    assert {e.loss_variant for e in events if e.kind == "TrainStepCompleted"} == {"cispo"}
+    _archive(tmp_path, events)
+    report = replay_training(tmp_path, "actor")
+    assert report.ok, report.problem
+    assert [c.step for c in report.checks] == [1, 2]
+    relabelled = tmp_path / "relabelled"
+    relabelled.mkdir()
+    (relabelled / "checkpoints").symlink_to(tmp_path / "checkpoints")
+    _archive(relabelled, [e.model_copy(update={"loss_variant": "grpo"}) if e.kind == "TrainStepCompleted" else e
+                          for e in events])
+    report = replay_training(relabelled, "actor")
+    assert report.problem is not None and report.problem.startswith("step 1 (version 1): weight hash after the step")

@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 import pytest
+from experience_ops import add
+from experience_ops import refine as refine_op
 
 from pipeline.bank.replay import Checkpoint, replay
 from pipeline.bank.state import Applied, BankState, Duplicate, Outcome, Rejected, _frozen_key, decode_op
@@ -19,7 +21,7 @@ from pipeline.errors import InvalidArgumentError
 from schemas.arrays import EmbeddingVector
 from schemas.base import Producer
 from schemas.codec import encode
-from schemas.experiences import ExperienceAdded, ExperienceRefined
+from schemas.experiences import ExperienceAdded
 
 WHO = Producer(worker="extractor", instance="extractor-0")
 
@@ -58,17 +60,7 @@ def test_replay_takes_the_checkpoint_hash_of_the_decoded_log() -> None:
 
 def test_the_hand_worked_log_through_the_wire_keeps_the_pinned_hash() -> None:
     # The log of test_bank_state.test_state_hash_is_pinned_and_ignores_counters, encoded and decoded first.
-    def key() -> EmbeddingVector:
-        return EmbeddingVector.from_array("all-MiniLM-L6-v2", np.array((1.0, 0.0, 0.0, 0.0)))
-
-    def add(op_id: str, experience_id: str, text: str, family: str = "room") -> ExperienceAdded:
-        return ExperienceAdded(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id,
-                               task_family=family, text=text, key=key(), generation_id=f"gen-{op_id}",
-                               extractor_version=0, source_trajectory_ids=(f"traj-{op_id}",))
-
-    refine = ExperienceRefined(run_id="r", producer=WHO, op_id="o3", experience_id="e1", expected_version=1,
-                               text="walk diagonally to >", generation_id="gen-o3", extractor_version=1,
-                               source_trajectory_ids=("traj-o3",))
+    refine = refine_op("o3", "e1", 1, "walk diagonally to >")
     ops = [add("o1", "e1", "go to the stairs"), add("o2", "e2", "avoid water", family="river"), refine,
            refine, add("o4", "e1", "again")]
     state, outcomes = apply_all([decode_op(encode(op)) for op in ops])

@@ -4,55 +4,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
+from experience_ops import add, key, merge, refine, retire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.bank.replay import replay
 from pipeline.bank.state import Applied, BankState, Duplicate, Rejected
-from schemas.arrays import EmbeddingVector
-from schemas.base import Producer
-from schemas.experiences import (
-    ExperienceAdded,
-    ExperienceMerged,
-    ExperienceRefined,
-    ExperienceRetired,
-    VersionedExperience,
-)
-
-WHO = Producer(worker="extractor", instance="extractor-0")
-MODEL = "all-MiniLM-L6-v2"
-
-
-def key(*values: float, model: str = MODEL) -> EmbeddingVector:
-    return EmbeddingVector.from_array(model, np.array(values or (1.0, 0.0, 0.0, 0.0)))
-
-
-def add(op_id: str, experience_id: str, text: str = "go to the stairs", family: str = "room",
-        vector: EmbeddingVector | None = None) -> ExperienceAdded:
-    return ExperienceAdded(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
-                           text=text, key=vector or key(), generation_id=f"gen-{op_id}", extractor_version=0,
-                           source_trajectory_ids=(f"traj-{op_id}",))
-
-
-def refine(op_id: str, experience_id: str, expected: int, text: str) -> ExperienceRefined:
-    return ExperienceRefined(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id,
-                             expected_version=expected, text=text, generation_id=f"gen-{op_id}", extractor_version=1,
-                             source_trajectory_ids=(f"traj-{op_id}",))
-
-
-def merge(op_id: str, experience_id: str, sources: dict[str, int], family: str = "room") -> ExperienceMerged:
-    return ExperienceMerged(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
-                            text=f"merged {'+'.join(sources)}", key=key(0.0, 1.0, 0.0, 0.0),
-                            sources=tuple(VersionedExperience(experience_id=i, expected_version=v)
-                                          for i, v in sources.items()),
-                            generation_id=f"gen-{op_id}", extractor_version=1)
-
-
-def retire(op_id: str, experience_id: str, expected: int, reason: str = "capacity") -> ExperienceRetired:
-    return ExperienceRetired(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id,
-                             expected_version=expected, reason=reason)
 
 
 def run(ops: list) -> tuple[BankState, list]:

@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from experience_ops import add
+from experience_ops import key as vector_key
 from pydantic import ValidationError
 
 from pipeline.bank.replica import LocalBank
@@ -77,10 +79,7 @@ class CountingBank(LocalBank):
 
 
 def added(op_id: str, experience_id: str, vector, family: str = "room", text: str | None = None) -> ExperienceAdded:
-    key = EmbeddingVector.from_array(MODEL, np.asarray(vector))
-    return ExperienceAdded(run_id="r", producer=WHO, op_id=op_id, experience_id=experience_id, task_family=family,
-                           text=text or f"tip {experience_id}", key=key,
-                           generation_id=f"gen-{op_id}", extractor_version=0, source_trajectory_ids=(f"traj-{op_id}",))
+    return add(op_id, experience_id, text or f"tip {experience_id}", family, vector_key(*vector, model=MODEL))
 
 
 def bank_of(ops: list) -> CountingBank:
