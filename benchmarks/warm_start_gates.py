@@ -40,7 +40,7 @@ def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, dict[st
     settings = Settings(config=config)
     result: dict[str, dict[str, Any]] = {}
     for role in ("actor", "extractor"):
-        trainer = settings.actor_trainer if role == "actor" else settings.extractor_trainer
+        trainer = settings.trainer(role)
         if trainer.warm_start.gate is None:
             continue
         model = trainer.model

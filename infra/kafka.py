@@ -137,14 +137,9 @@ class KafkaSettings(BaseModel):
 
 def make_producer(settings: KafkaSettings, client_id: str | None = None) -> KafkaProducer:
     return KafkaProducer(
-        **settings.security(),
-        client_id=client_id or settings.client_id,
-        linger_ms=settings.linger_ms,
-        batch_size=settings.batch_size,
-        compression_type=settings.compression_type,
-        acks=settings.acks,
-        max_request_size=settings.max_request_size,
-        request_timeout_ms=settings.request_timeout_ms,
+        **settings.security(), client_id=client_id or settings.client_id,
+        linger_ms=settings.linger_ms, batch_size=settings.batch_size, compression_type=settings.compression_type,
+        acks=settings.acks, max_request_size=settings.max_request_size, request_timeout_ms=settings.request_timeout_ms,
         delivery_timeout_ms=max(settings.delivery_timeout_ms, settings.linger_ms + settings.request_timeout_ms),
         reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,
         # Retries are bounded by the delivery timeout, not by a count: a broker restart takes several seconds.
@@ -165,15 +160,11 @@ def make_consumer(
     """
     return KafkaConsumer(
         **settings.security(),
-        client_id=client_id or settings.client_id,
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset=auto_offset_reset,
-        max_poll_records=settings.max_poll_records,
-        fetch_max_bytes=settings.fetch_max_bytes,
+        client_id=client_id or settings.client_id, group_id=group_id,
+        enable_auto_commit=False, auto_offset_reset=auto_offset_reset,
+        max_poll_records=settings.max_poll_records, fetch_max_bytes=settings.fetch_max_bytes,
         max_partition_fetch_bytes=settings.max_partition_fetch_bytes,
-        session_timeout_ms=settings.session_timeout_ms,
-        heartbeat_interval_ms=settings.heartbeat_interval_ms,
+        session_timeout_ms=settings.session_timeout_ms, heartbeat_interval_ms=settings.heartbeat_interval_ms,
         max_poll_interval_ms=settings.max_poll_interval_ms,
         request_timeout_ms=max(settings.request_timeout_ms, settings.session_timeout_ms + 1000),
         reconnect_backoff_max_ms=settings.reconnect_backoff_max_ms,

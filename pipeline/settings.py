@@ -30,9 +30,10 @@ from pipeline.envs.settings import EnvSettings
 from pipeline.errors import ConfigError
 from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.settings import ModelSettings, TinyModelSettings
-from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings
+from pipeline.rl.settings import ActorTrainerSettings, ExtractorTrainerSettings, TrainerSettings
 from pipeline.runtime.settings import RunnerSettings
 from pipeline.tracking.settings import TrackerSettings
+from schemas.base import Role
 from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
 
 
@@ -159,6 +160,15 @@ class Settings(BaseSettings):
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or self.run_dir.resolve().name
+
+    def trainer(self, role: Role) -> TrainerSettings:
+        """The settings of `role`'s trainer (`actor_trainer` or `extractor_trainer`)."""
+        return self.actor_trainer if role == "actor" else self.extractor_trainer
+
+    def sampling_temperature(self, role: Role) -> float:
+        """The temperature `role`'s policy samples at, and its log-probs are taken at: the rollout's for the actor,
+        the extractor's generation's for the extractor."""
+        return (self.rollout if role == "actor" else self.extractor).generation.temperature
 
     def schedule(self) -> Schedule:
         """The run's schedule: the scheduler's settings with the actor trainer's group size, groups per step and

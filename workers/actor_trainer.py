@@ -28,7 +28,7 @@ import torch
 from pipeline.actor.metrics import episode_metrics
 from pipeline.actor.settings import FROZEN_ACTOR_ARMS
 from pipeline.rl.batching import ClosedStep, StepCollector
-from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
+from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.training import (
     PolicyTrainer,
     PolicyVersion,
@@ -145,14 +145,6 @@ class ActorTrainer(TrainerWorker):
             next_step=max(self.settings.warmup_steps, self.trainer.current.step + 1 if self.trainer.current.version
                           else 0),
         )
-
-    @classmethod
-    def trainer_settings(cls, settings: Settings) -> TrainerSettings:
-        return settings.actor_trainer
-
-    @classmethod
-    def temperature(cls, settings: Settings) -> float:
-        return settings.rollout.generation.temperature
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return _PendingAwarePositions(context.sql_offset_store(self.name), self.collector)

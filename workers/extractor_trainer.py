@@ -33,7 +33,6 @@ import time
 from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK, FROZEN_EXTRACTOR_ARMS
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
-from pipeline.rl.settings import TrainerSettings
 from pipeline.rl.training import (
     PolicyVersion,
     WarmStart,
@@ -96,14 +95,6 @@ class ExtractorTrainer(TrainerWorker):
         self.extractor_settled: dict[int, StepSettled] = {}
         self.next_step = 0
         """Deterministic mode: the next step to settle (one past the last this run's trainer settled)."""
-
-    @classmethod
-    def trainer_settings(cls, settings: Settings) -> TrainerSettings:
-        return settings.extractor_trainer
-
-    @classmethod
-    def temperature(cls, settings: Settings) -> float:
-        return settings.extractor.generation.temperature
 
     def offset_store(self, context: WorkerContext) -> OffsetStore:
         return FromTheStart()  # the join state is rebuilt by reading every input from offset 0

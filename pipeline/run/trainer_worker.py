@@ -1,10 +1,11 @@
 """The contract of a worker kind that trains a policy: what `crl run` and `crl worker` need beyond `Worker`.
 
-A `TrainerWorker` names its role (`actor`, `extractor`), its trainer settings and the temperature its policy samples
-at. From them it builds its `PolicyTrainer` (checkpoints under `RUN_DIR/checkpoints/<role>`) and, with `ranks` above
-1, `crl run` starts it under torchrun, one process per rank: rank 0 is the worker itself (it reads and writes the
-log), and the ranks above it run `serve_rank`, taking the steps rank 0 broadcasts (`pipeline.rl.data_parallel`).
-The actor and extractor trainers are the two such kinds.
+A `TrainerWorker` names its role (`actor`, `extractor`), which says its trainer settings and the temperature its
+policy samples at (`Settings.trainer`, `Settings.sampling_temperature`). From them it builds its `PolicyTrainer`
+(checkpoints under `RUN_DIR/checkpoints/<role>`) and, with `ranks` above 1, `crl run` starts it under torchrun, one
+process per rank: rank 0 is the worker itself (it reads and writes the log), and the ranks above it run
+`serve_rank`, taking the steps rank 0 broadcasts (`pipeline.rl.data_parallel`). The actor and extractor trainers are
+the two such kinds.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ class TrainerWorker(Worker):
         return cls(context)
 
     @classmethod
-    @abstractmethod
     def trainer_settings(cls, settings: Settings) -> TrainerSettings:
         """The settings of its trainer: its `ranks` decide how many processes `crl run` starts."""
+        return settings.trainer(cls.role)
 
     @classmethod
-    @abstractmethod
     def temperature(cls, settings: Settings) -> float:
         """The temperature the policy samples at (its log-probs are taken at the same)."""
+        return settings.sampling_temperature(cls.role)
 
     @classmethod
     def policy_trainer(cls, context: WorkerContext, warm_start: WarmStart | None) -> PolicyTrainer:

@@ -99,19 +99,11 @@ def _records(batches: Mapping[TopicPartition, list[Any]], log_ids: Mapping[str, 
     records = []
     for batch in batches.values():
         for message in batch:
-            records.append(
-                Record(
-                    topic=message.topic,
-                    partition=message.partition,
-                    offset=message.offset,
-                    key=message.key,
-                    value=message.value,
-                    timestamp_ms=message.timestamp,
-                    headers=tuple(message.headers or ()),
-                    log_id=log_ids.get(message.topic, ""),
-                    tenure=0 if tenures is None else tenures.get((message.topic, message.partition), -1),
-                )
-            )
+            records.append(Record(
+                topic=message.topic, partition=message.partition, offset=message.offset, key=message.key,
+                value=message.value, timestamp_ms=message.timestamp, headers=tuple(message.headers or ()),
+                log_id=log_ids.get(message.topic, ""),
+                tenure=0 if tenures is None else tenures.get((message.topic, message.partition), -1)))
     return records
 
 

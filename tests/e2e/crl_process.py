@@ -7,6 +7,7 @@ the test with the tail of its output and of every worker's log when it does not 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,13 @@ import pytest
 
 CRL = [sys.executable, "-m", "pipeline.cli"]
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_env(**settings: str) -> dict[str, str]:
+    """This process's environment without its CRL_* variables (a run reads only its config and `settings`), offline
+    (HF_HUB_OFFLINE=1), with `settings` added: what a run of an e2e test is started with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
+    return {**env, "HF_HUB_OFFLINE": "1", **settings}
 
 
 def crl(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from crl_process import assert_replays_match
+from crl_process import assert_replays_match, run_env
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from infra.kafka import KafkaSettings, make_admin
@@ -122,5 +122,4 @@ def test_a_run_that_loses_one_of_three_brokers_carries_on_to_the_end(cluster_run
 
 def test_both_replays_match_after_the_broker_died(cluster_run):
     assert cluster_run.returncode == 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"HF_HUB_OFFLINE": "1"}
-    assert_replays_match(cluster_run.run_dir, env, STEPS - 1)
+    assert_replays_match(cluster_run.run_dir, run_env(), STEPS - 1)

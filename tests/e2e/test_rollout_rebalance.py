@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from crl_process import assert_replays_match
+from crl_process import assert_replays_match, run_env
 
 from infra.kafka import KafkaSettings
 from pipeline.audit.views import Audit
@@ -131,5 +131,4 @@ def test_a_worker_joining_and_leaving_mid_run_loses_and_duplicates_nothing(rebal
 
 def test_both_replays_match_after_the_rebalances(rebalanced_run):
     assert rebalanced_run.returncode == 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")} | {"HF_HUB_OFFLINE": "1"}
-    assert_replays_match(rebalanced_run.run_dir, env, STEPS - 1)  # warm-up 1: every later step trains
+    assert_replays_match(rebalanced_run.run_dir, run_env(), STEPS - 1)  # warm-up 1: every later step trains

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from crl_process import assert_replays_match, crl, crl_run
+from crl_process import assert_replays_match, crl, crl_run, run_env
 
 from pipeline.audit.views import Audit
 from pipeline.tracking.readback import mlflow_entries, tensorboard_entries, wandb_entries
@@ -22,14 +22,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], str]:
     run_dir = tmp_path_factory.mktemp("e2e") / "tiny"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     # Four steps of two groups of 8 (two warm-up steps fill the bank, the third and fourth are guided), a merge after
     # step 1, and an evaluation of 4 unseen rooms before training and at the last step. The merge races step 2: it can
     # retire every lesson step 2's guided episodes were served before they are distilled (a retired lesson is not
     # shown to the extractor, so nothing of step 2 is refined); step 3 is served after the merge.
-    env.update({"HF_HUB_OFFLINE": "1", "CRL_SCHEDULER__MERGE_EVERY": "2", "CRL_SCHEDULER__EVAL_EVERY": "2",
-                "CRL_ACTOR_TRAINER__WARMUP_STEPS": "2", "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2",
-                "CRL_ENVS__EVAL_TASKS_PER_ENV": "4"})
+    env = run_env(CRL_SCHEDULER__MERGE_EVERY="2", CRL_SCHEDULER__EVAL_EVERY="2", CRL_ACTOR_TRAINER__WARMUP_STEPS="2",
+                  CRL_ACTOR_TRAINER__GROUPS_PER_STEP="2", CRL_ENVS__EVAL_TASKS_PER_ENV="4")
     output = crl_run("configs/tiny-minihack-room.yaml", 4, run_dir, env)
     return run_dir, env, output
 

@@ -5,11 +5,10 @@ carry the lesson-quality panel."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from crl_process import assert_replays_match, crl, crl_run
+from crl_process import assert_replays_match, crl, crl_run, run_env
 
 from pipeline.audit.learning import lesson_kinds
 from pipeline.audit.views import Audit
@@ -26,11 +25,10 @@ def signpost_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     # Three steps of two groups of 8: step 0 fills the bank, steps 1 and 2 are guided; 4 unseen corridors evaluated
     # twice each, guided and free, before training and at the last step.
     run_dir = tmp_path_factory.mktemp("e2e") / "signpost"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
-    env.update({"HF_HUB_OFFLINE": "1", **SHORT, "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2",
-                "CRL_SCHEDULER__EVAL_EVERY": "2", "CRL_ENVS__EVAL_TASKS_PER_ENV": "4", "CRL_ENVS__EVAL_REPEATS": "2",
-                "CRL_ACTOR_TRAINER__WARM_START__CACHE_DIR": str(run_dir.parent / "warm-start"),
-                "CRL_EXTRACTOR_TRAINER__WARM_START__CACHE_DIR": str(run_dir.parent / "warm-start")})
+    env = run_env(**SHORT, CRL_ACTOR_TRAINER__GROUPS_PER_STEP="2", CRL_SCHEDULER__EVAL_EVERY="2",
+                  CRL_ENVS__EVAL_TASKS_PER_ENV="4", CRL_ENVS__EVAL_REPEATS="2",
+                  CRL_ACTOR_TRAINER__WARM_START__CACHE_DIR=str(run_dir.parent / "warm-start"),
+                  CRL_EXTRACTOR_TRAINER__WARM_START__CACHE_DIR=str(run_dir.parent / "warm-start"))
     output = crl_run("configs/tiny-signpost-corridor.yaml", 3, run_dir, env)
     return run_dir, env, output
 
