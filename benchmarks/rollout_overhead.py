@@ -144,9 +144,7 @@ def play(policy, batch, retriever) -> dict[str, float]:  # type: ignore[no-untyp
     player.policy, player.version = policy, 0
     started = time.perf_counter()
     player.start(batch)
-    trajectories = []
-    while player.active:
-        trajectories += player.play_turn()
+    trajectories = player.play_to_end()
     wall = time.perf_counter() - started
     player.close()
     stats = player.stats

@@ -86,9 +86,7 @@ def engine_share(env_id: str, settings: EnvSettings, episodes: int) -> float:
     try:
         started = time.perf_counter()
         player.start(assignments)
-        finished = []
-        while player.active:
-            finished += player.play_turn()
+        finished = player.play_to_end()
         wall = time.perf_counter() - started
     finally:
         player.close()

@@ -24,6 +24,10 @@ from pathlib import Path
 
 import pytest
 
+# Nothing a test loads may download (this machine and CI reach no model hub): before any test module imports
+# transformers, whose hub settings are read at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 from infra.admin import create_topics
 from infra.apache_kafka import BROKER_POLICY, KAFKA_VERSION, ApacheKafkaBroker, install_kafka_jars, locate_java
 from infra.broker import BrokerError, wait_until_answers

@@ -6,6 +6,7 @@
     player.start([(assignment, ("crl.tasks", 0), offset), ...])   # reset envs; guided: retrieval queued, not awaited
     while player.active:
         finished = player.play_turn()                        # one batched generation over the episodes ready
+    # or, with nothing else to do between turns: finished = player.play_to_end()
 
 Retrieval is off the playing thread. `start` resets the environments and hands the guided episodes' queries to one
 background thread (`BackgroundRetrieval`), which serves whatever is queued when it becomes free as one
@@ -426,6 +427,13 @@ class EpisodePlayer:
         if not (self.settings.search_and_ask and episode.assignment.guided):
             return 0
         return self.settings.max_ask_calls - episode.asks
+
+    def play_to_end(self) -> list[TrajectoryCompleted]:
+        """Play turns until no episode is in flight; returns the episodes in the order they finished."""
+        finished: list[TrajectoryCompleted] = []
+        while self.active:
+            finished += self.play_turn()
+        return finished
 
     def play_turn(self) -> list[TrajectoryCompleted]:
         """One batched generation over every episode in flight that is not waiting for a retrieval (waiting, bounded,

@@ -201,8 +201,7 @@ def play_with_lessons(policy: PolicyModel, tasks: Sequence[Task], rollout: Rollo
     try:
         for start in range(0, len(assignments), rollout.max_concurrent_episodes):
             player.start(assignments[start:start + rollout.max_concurrent_episodes])
-            while player.active:
-                success.update((t.group_id, t.success) for t in player.play_turn())
+            success.update((t.group_id, t.success) for t in player.play_to_end())
     finally:
         player.close()
     return [success[assignment.group_id] for assignment, _, _ in assignments]

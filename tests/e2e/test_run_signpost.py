@@ -26,9 +26,7 @@ def signpost_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     # twice each, guided and free, before training and at the last step.
     run_dir = tmp_path_factory.mktemp("e2e") / "signpost"
     env = run_env(**SHORT, CRL_ACTOR_TRAINER__GROUPS_PER_STEP="2", CRL_SCHEDULER__EVAL_EVERY="2",
-                  CRL_ENVS__EVAL_TASKS_PER_ENV="4", CRL_ENVS__EVAL_REPEATS="2",
-                  CRL_ACTOR_TRAINER__WARM_START__CACHE_DIR=str(run_dir.parent / "warm-start"),
-                  CRL_EXTRACTOR_TRAINER__WARM_START__CACHE_DIR=str(run_dir.parent / "warm-start"))
+                  CRL_ENVS__EVAL_TASKS_PER_ENV="4", CRL_ENVS__EVAL_REPEATS="2")
     output = crl_run("configs/tiny-signpost-corridor.yaml", 3, run_dir, env)
     return run_dir, env, output
 

@@ -12,8 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainers import _archived_kinds, _published
-from worker_processes import CRL, _env, _replays_train, _send, _stop, _wait_for
+from worker_processes import (
+    CRL,
+    _archived_kinds,
+    _env,
+    _published,
+    _replays_train,
+    _restarted_trainer_continues,
+    _send,
+    _stop,
+    _wait_for,
+)
 
 from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint
@@ -143,14 +152,8 @@ def test_a_rank_killed_mid_step_fails_the_trainer_and_a_restart_resumes_without_
         assert [p.version for p in _published(kafka, "actor")[0]] == [0]
 
         trainer = _start_ranks("actor_trainer", env, log)
-        _wait_for("version 1 after the restart", lambda: len(_published(kafka, "actor")[1]) == 1, 300, log)
-        _send(kafka_bootstrap, synthetic_trajectories(policy, run_id=tmp_path.name, step=2, groups=2, group_size=4,
-                                                      seed=3))
-        _wait_for("version 2", lambda: len(_published(kafka, "actor")[1]) >= 2, 300, log)
-        policies, steps = _published(kafka, "actor")
-        assert [p.version for p in policies] == [0, 1, 2]
+        steps = _restarted_trainer_continues(kafka_bootstrap, policy, tmp_path.name, log, seed=3, timeout_s=300)
         assert [(s.step, s.policy_version, s.world_size) for s in steps] == [(1, 1, 2), (2, 2, 2)]
-        assert steps[1].weight_hash_before == steps[0].weight_hash_after
         assert all(s.weight_hash_before != s.weight_hash_after for s in steps)  # both steps moved the weights
     finally:
         _stop(trainer)

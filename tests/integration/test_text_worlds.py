@@ -195,8 +195,7 @@ def test_a_crash_fails_the_episodes_it_hits_and_the_worker_plays_on():
         # the next episode gets a fresh engine and plays to its end
         starts = engine.starts
         player.start([(_assignment("ScienceWorld", 2, 7), ("crl.tasks", 0), 2)])
-        while player.active:
-            finished = player.play_turn()
+        finished = player.play_to_end()
         assert finished[0].env_error is None and len(finished[0].turns) == 8 and engine.starts == starts + 1
         # the worker stops with an episode in flight: its engine stops with it
         player.start([(_assignment("ScienceWorld", 3, 9), ("crl.tasks", 0), 3)])
@@ -227,8 +226,7 @@ def test_a_crash_at_the_reset_fails_that_episode_before_its_first_turn():
         # and the one after it, on the same environment, opens a fresh JVM and plays
         player.start([(_assignment("TWX-TWC", 2, 11), ("crl.tasks", 0), 2)])
         assert player.take_failed() == [] and len(player.active) == 1 and engine.starts == starts + 1
-        while player.active:
-            finished = player.play_turn()
+        finished = player.play_to_end()
         assert finished[0].env_error is None and finished[0].turns
     finally:
         player.close()

@@ -14,9 +14,12 @@ from pathlib import Path
 
 from kafka import KafkaProducer
 
+from infra.kafka import KafkaSettings
+from pipeline.runtime.log import read_to_end
 from schemas.base import Event
 from schemas.codec import encode
-from schemas.topics import topic_of
+from schemas.topics import POLICY, TRAIN_STEPS, topic_of
+from schemas.training import PolicyPublished, TrainStepCompleted
 
 CRL = [sys.executable, "-m", "pipeline.cli"]
 TINY = {"HIDDEN_SIZE": "64", "NUM_LAYERS": "2", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "INTERMEDIATE_SIZE": "128",
@@ -87,3 +90,34 @@ def _replays_train(run_dir: Path, env: dict[str, str], role: str, expected: str,
                               text=True, timeout=timeout_s)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert expected in replayed.stdout, replayed.stdout
+
+
+def _published(kafka: KafkaSettings, role: str) -> tuple[list[PolicyPublished], list[TrainStepCompleted]]:
+    policies = [e for e in read_to_end(kafka, POLICY) if isinstance(e, PolicyPublished) and e.role == role]
+    steps = [e for e in read_to_end(kafka, TRAIN_STEPS) if isinstance(e, TrainStepCompleted) and e.role == role]
+    return policies, steps
+
+
+def _archived_kinds(run_dir: Path) -> dict[str, int]:
+    from pipeline.audit.views import Audit
+
+    with Audit(run_dir) as audit:
+        _, rows = audit.query("SELECT kind, count(*) FROM events GROUP BY kind")
+    return dict(rows)
+
+
+def _restarted_trainer_continues(bootstrap: str, policy: object, run_id: str, log: Path, seed: int,
+                                 timeout_s: float) -> list[TrainStepCompleted]:
+    """After an actor trainer's restart: it publishes version 1 (trained before it went down), and step 2's episodes
+    make version 2 from version 1's weights. Returns both train steps."""
+    from pipeline.rl.synthetic import synthetic_trajectories
+
+    kafka = KafkaSettings(bootstrap_servers=bootstrap)
+    _wait_for("version 1 published after the restart", lambda: len(_published(kafka, "actor")[1]) == 1, timeout_s,
+              log)
+    _send(bootstrap, synthetic_trajectories(policy, run_id=run_id, step=2, groups=2, group_size=4, seed=seed))
+    _wait_for("version 2", lambda: len(_published(kafka, "actor")[1]) >= 2, timeout_s, log)
+    policies, steps = _published(kafka, "actor")
+    assert [p.version for p in policies] == [0, 1, 2]
+    assert steps[1].weight_hash_before == steps[0].weight_hash_after
+    return steps

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
 
+from infra.db import make_engine, migrate
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
 from pipeline.rl.training import PolicyTrainer, events_of
@@ -15,6 +17,22 @@ from schemas.base import Event, Producer
 from workers.actor_trainer import ClosedStep, actor_update
 
 RecordActorRun = Callable[[Path, ActorTrainerSettings], list[Event]]
+
+
+@pytest.fixture
+def sqlite_in() -> Iterator[Callable[[Path], Engine]]:
+    """`sqlite_in(run_dir)`: the run's SQLite database (`RUN_DIR/crl.sqlite3`), migrated; disposed after the test."""
+    engines: list[Engine] = []
+
+    def make(run_dir: Path) -> Engine:
+        engine = make_engine(f"sqlite:///{run_dir / 'crl.sqlite3'}")
+        migrate(engine)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.dispose()
 
 
 @pytest.fixture(scope="session")

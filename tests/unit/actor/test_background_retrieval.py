@@ -106,9 +106,7 @@ def test_free_episodes_play_while_a_guided_one_waits_then_it_joins_with_its_expe
         assert player.waiting == [guided] and guided in player.active
         assert player.stats.blocked_s == 0.0  # the loop never waited: it had free episodes to play
         encoder.gate.set()
-        trajectories = []
-        while player.active:
-            trajectories += player.play_turn()
+        trajectories = player.play_to_end()
         played = next(t for t in trajectories if t.guided)
         assert [ref.experience_id for ref in played.retrieved] == ["e1"] and played.bank_offset == 1
         assert f"Experience: {LESSON}" in _policy().decode(played.turns[0].prompt_token_ids)
@@ -127,9 +125,7 @@ def test_a_guided_episode_past_the_wait_joins_with_nothing_and_is_recorded_so():
     player = _player(encoder, retrieval_wait_s=0.3)
     try:
         player.start([_assignment(0, guided=True), _assignment(1, guided=False, max_turns=1)])
-        trajectories = []
-        while player.active:
-            trajectories += player.play_turn()
+        trajectories = player.play_to_end()
         played = next(t for t in trajectories if t.guided)
         assert played.guided and played.retrieved == () and played.bank_offset is None
         assert played.turns and "Experience:" not in _policy().decode(played.turns[0].prompt_token_ids)

@@ -8,10 +8,7 @@ Run: pytest tests/unit/models/test_checkpoints.py -q   (CPU, ~10 s)
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing may download
 
 import pytest
 import torch

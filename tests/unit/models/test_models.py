@@ -7,10 +7,7 @@ Run: pytest tests/unit/models/test_models.py -q   (CPU, ~15 s)
 
 from __future__ import annotations
 
-import os
 import sys
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing may download
 
 import pytest
 import torch

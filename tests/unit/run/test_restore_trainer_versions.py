@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, select
 
-from infra.db import consumer_offsets, make_engine, migrate
+from infra.db import consumer_offsets
 from pipeline.audit.archive import archive_root, archive_row, write_segments
 from pipeline.audit.training_replay import replay_training
 from pipeline.errors import RunFailedError
@@ -59,11 +59,8 @@ def run_dir(recorded, tmp_path) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def engine(run_dir):  # type: ignore[no-untyped-def]
-    engine = make_engine(f"sqlite:///{run_dir / 'crl.sqlite3'}")
-    migrate(engine)
-    yield engine
-    engine.dispose()
+def engine(run_dir, sqlite_in):  # type: ignore[no-untyped-def]
+    return sqlite_in(run_dir)
 
 
 class Log:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from infra.db import make_engine, migrate
 from pipeline.runtime.group_commits import GroupCommitLog, restorable_group_positions
 from pipeline.runtime.offsets import LogPosition
 
@@ -13,11 +12,8 @@ TASKS, TRAJ = "crl.tasks", "crl.trajectories"
 
 
 @pytest.fixture
-def engine(tmp_path):  # type: ignore[no-untyped-def]
-    engine = make_engine(f"sqlite:///{tmp_path / 'crl.sqlite3'}")
-    migrate(engine)
-    yield engine
-    engine.dispose()
+def engine(tmp_path, sqlite_in):  # type: ignore[no-untyped-def]
+    return sqlite_in(tmp_path)
 
 
 def test_the_latest_commit_whose_outputs_were_all_restored_wins_per_partition(engine):
