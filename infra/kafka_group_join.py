@@ -52,17 +52,25 @@ async def _join_group_async(self: BaseCoordinator, timeout_ms: int | None = None
                 raise error
             log.debug("Join attempt of group %s finished between polls with %r; joining again", self.group_id, error)
         else:
-            log.debug("Join of group %s finished between polls; applying its assignment", self.group_id)
             with self._lock:
-                self.rejoining = False
-                self.rejoin_needed = False
-                self.state = MemberState.STABLE
-                self._enable_heartbeat()
-            generation = self._generation
-            await self._on_join_complete_async(generation.generation_id, generation.member_id, generation.protocol,
-                                               task.value)
-            if not self.need_rejoin():
-                return True
+                # A heartbeat answered UNKNOWN_MEMBER_ID since (reset_generation) leaves the member UNJOINED: its
+                # join is void, as kafka-python treats a JoinGroup answered after such a reset.
+                current = self.state is MemberState.REBALANCING
+                if current:
+                    self.rejoining = False
+                    self.rejoin_needed = False
+                    self.state = MemberState.STABLE
+                    self._enable_heartbeat()
+            if current:
+                log.debug("Join of group %s finished between polls; applying its assignment", self.group_id)
+                generation = self._generation
+                await self._on_join_complete_async(generation.generation_id, generation.member_id,
+                                                   generation.protocol, task.value)
+                if not self.need_rejoin():
+                    return True
+            else:
+                log.debug("Join of group %s finished between polls after the member left its generation; joining "
+                          "again", self.group_id)
     result: bool = await _original_join_group_async(self, timeout_ms=timeout_ms)
     return result
 
