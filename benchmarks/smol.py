@@ -23,7 +23,7 @@ prefill); `gen_new_tokens_per_s`: tokens generated over the time of a 32-token g
 that end early still count as rows of the batch). `turn_prompt_tokens_run_share`: of a second turn's prompt tokens
 (the first turn's prompt, its response, a new observation), the share that still runs through the model.
 
-Updates: `pipeline.rl.training.TrainerStep.run` as the actor trainer runs it (deterministic CPU mode, micro-batch 4,
+Updates: `pipeline.rl.trainer.TrainerStep.run` as the actor trainer runs it (deterministic CPU mode, micro-batch 4,
 AdamW, grad clip) on samples of update prompts and their sampled 16-token responses; `step_tokens_per_s_*` counts
 prompt + response tokens per second (best of the timed steps after one warm-up step). Modes: `full` (float32, full
 fine-tuning, TRL's step beside it), `lora` (float32, LoRA rank 8: the before) and `lora_bf16` (the after).
@@ -111,7 +111,7 @@ def generation(precision: str, threads: int) -> dict:
 
     from pipeline.models.base import SamplingParams
     from pipeline.models.settings import ModelSettings
-    from pipeline.rl.training import initial_policy
+    from pipeline.rl.trainer import initial_policy
 
     torch.set_num_threads(threads)
     trainer_policy = initial_policy(ModelSettings(preset="smollm2-135m-instruct"))
@@ -167,9 +167,9 @@ def _response_logits(policy, prompt_ids, response_ids):  # type: ignore[no-untyp
 def update(mode: str, prompts: int, steps: int, threads: int) -> dict:
     from pipeline.models.base import SamplingParams
     from pipeline.models.settings import LoraSettings, ModelSettings
+    from pipeline.rl.policy_step import Sample
     from pipeline.rl.settings import ActorTrainerSettings
-    from pipeline.rl.training import TrainerStep, initial_policy
-    from pipeline.rl.update import Sample
+    from pipeline.rl.trainer import TrainerStep, initial_policy
 
     lora = LoraSettings(rank=8, alpha=16) if mode != "full" else LoraSettings()
     precision = "bfloat16" if mode == "lora_bf16" else "float32"

@@ -33,7 +33,7 @@ from pipeline.envs.random_play import Policy, random_play
 from pipeline.envs.registry import env_spec, make_env, task_pool
 from pipeline.envs.settings import EnvSettings
 from pipeline.models.settings import ModelSettings, TinyModelSettings
-from pipeline.rl.training import initial_policy
+from pipeline.rl.trainer import initial_policy
 from schemas.base import Producer
 from schemas.tasks import EpisodeAssigned
 

@@ -5,9 +5,9 @@ TRL's on the same tensors when TRL is installed.
     .venv/bin/python benchmarks/train_step.py           # the paper-shaped batch (8 groups x 8, 3 turns), 3 steps each
 
 The batches are real: trajectories and generations sampled from the tiny preset itself (`pipeline.rl.synthetic`),
-so the recorded log-probs are genuine and the ratio starts at ~1. A step is `pipeline.rl.update.policy_step` exactly
-as the trainers run it (deterministic CPU mode, micro-batches, AdamW, grad clip), timed from the first forward to the
-optimiser step. Prints `name=value` lines:
+so the recorded log-probs are genuine and the ratio starts at ~1. A step is `pipeline.rl.policy_step.policy_step`
+exactly as the trainers run it (deterministic CPU mode, micro-batches, AdamW, grad clip), timed from the first
+forward to the optimiser step. Prints `name=value` lines:
 - `tokens_per_s_actor`, `tokens_per_s_extractor`: prompt + response tokens through the model per second of a step;
 - `loss_tokens_per_s_actor`, `loss_tokens_per_s_extractor`: response tokens (those carrying loss) per second;
 - `step_s_actor`, `step_s_extractor`, `tokens_actor`, `tokens_extractor`, `params`, `threads`;
@@ -32,10 +32,10 @@ from benchmarks.trl_inputs import trl_inputs
 from pipeline.models.tiny import build_tiny
 from pipeline.rl.advantages import batch_mean_advantages
 from pipeline.rl.losses import policy_loss
+from pipeline.rl.policy_step import Sample, deterministic_torch, make_optimizer, policy_step
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
-from pipeline.rl.training import actor_advantages, actor_samples
-from pipeline.rl.update import Sample, deterministic_torch, make_optimizer, policy_step
+from pipeline.rl.trainer import actor_advantages, actor_samples
 from pipeline.settings import TinyModelSettings
 
 

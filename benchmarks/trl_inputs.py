@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.rl.update import Sample
+from pipeline.rl.policy_step import Sample
 
 
 def trl_inputs(samples: Sequence[Sample], pad: int) -> dict[str, torch.Tensor]:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, dict[str, Any]]:
     """Warm-start both trainers of `config` with model seeds offset by `seed` and `threads` threads; their gates."""
-    from pipeline.rl.training import initial_policy
-    from pipeline.rl.update import deterministic_torch
+    from pipeline.rl.policy_step import deterministic_torch
+    from pipeline.rl.trainer import initial_policy
     from pipeline.rl.warm_start import warm_start_actor, warm_start_extractor
     from pipeline.settings import Settings
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.envs.dark_corridor import corridor_of
 from pipeline.envs.registry import env_spec, task_pool
-from pipeline.rl.training import initial_policy
+from pipeline.rl.trainer import initial_policy
 from pipeline.rl.warm_gate import Task, play_with_lessons
 from pipeline.settings import Settings
 
@@ -62,7 +62,7 @@ def actor_success(settings: Settings, policy, seeds: Sequence[int], kind: str) -
 def extractor_scores(settings: Settings, steps: int, held_out: int) -> tuple[float, float, float]:
     """(parse ok, states revealed, seconds) of the extractor warm-started for `steps` steps, on `held_out` data
     episodes of unseen tasks (the gate's, `pipeline.rl.warm_gate`)."""
-    from pipeline.rl.update import deterministic_torch
+    from pipeline.rl.policy_step import deterministic_torch
     from pipeline.rl.warm_gate import distil_held_out, held_out_episodes
     from pipeline.rl.warm_start import warm_start_extractor
 
@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.tasks, args.held_out = 20, 32
-    from pipeline.rl.update import deterministic_torch
+    from pipeline.rl.policy_step import deterministic_torch
     from pipeline.rl.warm_start import warm_start_actor
 
     settings = Settings(config=args.config)

@@ -5,14 +5,14 @@
 It reads `crl.trajectories` in assign mode with its own positions, collects the train-split episodes of the next step
 until the step's `groups_per_step` groups of `group_size` slots are complete (or `group_timeout_s` passes: complete
 groups train, incomplete ones are dropped and listed in the event), sorts them canonically (group id, slot), and -
-after the warm-up steps, which only fill the bank - runs one update (`pipeline.rl.training.TrainerStep`): advantages
+after the warm-up steps, which only fill the bank - runs one update (`pipeline.rl.trainer.TrainerStep`): advantages
 normalised inside the guided and the free half of each group, one sample per turn, the clipped ratio against the
 recorded sampling log-probs, AdamW, gradient clip. It writes the checkpoint, then publishes `PolicyPublished(actor)`
 and `TrainStepCompleted`, then commits its positions.
 
 Positions never pass a trajectory that is collected but not yet trained, so a restart re-reads exactly what was
 pending; what belongs to steps already trained (the newest checkpoint says which) is ignored. A crash between
-checkpoint and publish is healed on restart by publishing the checkpoint's own events (`pipeline.rl.training`).
+checkpoint and publish is healed on restart by publishing the checkpoint's own events (`pipeline.rl.trainer`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pipeline.actor.metrics import episode_metrics
 from pipeline.actor.settings import FROZEN_ACTOR_ARMS
 from pipeline.rl.batching import ClosedStep, StepCollector
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.training import (
+from pipeline.rl.trainer import (
     PolicyTrainer,
     PolicyVersion,
     WarmStart,

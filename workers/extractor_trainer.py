@@ -33,7 +33,7 @@ import time
 from pipeline.actor.schedule import scheduled_id
 from pipeline.actor.settings import ARMS_WITH_A_BANK, FROZEN_EXTRACTOR_ARMS
 from pipeline.rl.batching import ExtractorBatch, ExtractorJoin
-from pipeline.rl.training import (
+from pipeline.rl.trainer import (
     PolicyVersion,
     WarmStart,
     events_of,

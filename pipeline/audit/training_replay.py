@@ -5,7 +5,7 @@
 
 For each role: load version 0 from the checkpoint its `PolicyPublished` names (sha256 checked), with the trainer
 settings recorded in it; then, in version order, rebuild every `TrainStepCompleted`'s batch from the archived events it
-lists, run the same update the trainer ran (`pipeline.rl.training.TrainerStep`: the same optimiser construction and
+lists, run the same update the trainer ran (`pipeline.rl.trainer.TrainerStep`: the same optimiser construction and
 step, deterministic CPU mode, the recorded thread count) and compare the weight hash before and after with the recorded
 ones. The actor's advantages are recomputed from the trajectories and must equal the recorded ones; the extractor's
 depend on which outcomes had arrived when it trained, so the recorded ones are used. An extractor batch event is the
@@ -27,14 +27,14 @@ from pipeline.errors import RankFailedError
 from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, weight_hash
 from pipeline.rl.batching import trained_copies
 from pipeline.rl.data_parallel import DataParallel
+from pipeline.rl.policy_step import Sample
 from pipeline.rl.settings import (
     DEFAULT_REPLAY_RANKS,
     ActorTrainerSettings,
     ExtractorTrainerSettings,
     TrainerSettings,
 )
-from pipeline.rl.training import TrainerStep, actor_batch, extractor_samples
-from pipeline.rl.update import Sample
+from pipeline.rl.trainer import TrainerStep, actor_batch, extractor_samples
 from schemas.base import Event, Role
 from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES, decode
 from schemas.extractions import ExtractionGenerated

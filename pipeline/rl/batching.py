@@ -1,4 +1,4 @@
-"""How each trainer forms its batches from the log, before the update (`pipeline.rl.training.TrainerStep`).
+"""How each trainer forms its batches from the log, before the update (`pipeline.rl.trainer.TrainerStep`).
 
 - `StepCollector` (actor, GRPO): collects the train episodes of each step and closes steps in order, once
   `groups_per_step` groups of `group_size` are complete, or after `group_timeout_s` with the complete ones (the rest
@@ -20,8 +20,8 @@ import torch
 
 from pipeline.errors import PoisonMessageError
 from pipeline.rl.advantages import NEVER_TRAINED, batch_mean_advantages, training_count_weights
-from pipeline.rl.training import extractor_samples
-from pipeline.rl.update import Sample
+from pipeline.rl.policy_step import Sample
+from pipeline.rl.trainer import extractor_samples
 from pipeline.runtime.transport import Position
 from schemas.extractions import ExtractionGenerated
 from schemas.training import TrainStepCompleted

@@ -12,7 +12,7 @@ needs to reproduce the weights bit for bit.
 
 Roles: rank 0 is the worker (it alone reads Kafka, checkpoints and publishes). For every step it broadcasts the
 canonical batch's samples (`step`); then every rank checks that all hold the same weights, trains its shard
-(`pipeline.rl.update.shard_indices`), the gradients are summed (`all_reduce_gradients`), every rank takes the same
+(`pipeline.rl.policy_step.shard_indices`), the gradients are summed (`all_reduce_gradients`), every rank takes the same
 AdamW step, and the weight hashes of all ranks are gathered and must be equal: a difference raises
 `RankFailedError` on every rank and nothing is published. The other ranks only `follow`: they build the same
 `TrainerStep` from the newest checkpoint and serve steps until rank 0 says stop. Between steps rank 0 sends a
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from pipeline.errors import RankFailedError
 from pipeline.models.checkpoints import weight_hash
 from pipeline.models.transformers_backend import TransformersPolicy
-from pipeline.rl.update import GradientGroup, Sample, StepResult
+from pipeline.rl.policy_step import GradientGroup, Sample, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ STOP, ALIVE, STEP, STATE = "stop", "alive", "step", "state"
 
 
 class TrainerStep(Protocol):
-    """What a rank trains with: `pipeline.rl.training.TrainerStep`, the same on every rank."""
+    """What a rank trains with: `pipeline.rl.trainer.TrainerStep`, the same on every rank."""
 
     @property
     def policy(self) -> TransformersPolicy: ...
@@ -179,7 +179,7 @@ class DataParallel:
             log.error("RankFailedError: %s", failure)
             raise failure
 
-    # -- collectives (`pipeline.rl.update.GradientGroup`) -------------------------------------------------------
+    # -- collectives (`pipeline.rl.policy_step.GradientGroup`) -------------------------------------------------------
 
     def all_reduce_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
         present = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32, device=self.device)

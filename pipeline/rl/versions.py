@@ -1,5 +1,5 @@
 """Where a trainer's versions live on disk and the ids of the events that announce them, without torch: what
-`pipeline.rl.training` writes and what a restore of the log (`pipeline.run.restore`) checks.
+`pipeline.rl.trainer` writes and what a restore of the log (`pipeline.run.restore`) checks.
 
     checkpoints/<role>/v000000/   version 0, then one directory per version
 """

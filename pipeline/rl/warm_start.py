@@ -56,8 +56,8 @@ from pipeline.errors import ConfigError
 from pipeline.extractor.protocol import EXTRACTOR_SYSTEM
 from pipeline.extractor.settings import ExtractorSettings
 from pipeline.models.transformers_backend import TransformersPolicy
+from pipeline.rl.policy_step import make_optimizer
 from pipeline.rl.settings import WarmStartSettings
-from pipeline.rl.update import make_optimizer
 from pipeline.rl.warm_data import DataEpisode, actor_samples, extractor_samples, play_data_episodes
 from pipeline.rl.warm_gate import actor_gate, extractor_gate, gate_line, gate_passed
 from pipeline.rl.warm_progress import Progress, no_progress

@@ -21,7 +21,7 @@ from schemas.base import Producer, Role
 
 if TYPE_CHECKING:  # torch: imported by the trainers, not by `crl run`
     from pipeline.rl.data_parallel import DataParallel
-    from pipeline.rl.training import PolicyTrainer, WarmStart
+    from pipeline.rl.trainer import PolicyTrainer, WarmStart
     from pipeline.runtime.context import WorkerContext
 
 
@@ -51,7 +51,7 @@ class TrainerWorker(Worker):
     @classmethod
     def policy_trainer(cls, context: WorkerContext, warm_start: WarmStart | None) -> PolicyTrainer:
         """The trainer of rank 0: the newest checkpoint of the run, or version 0 (warm-started when asked)."""
-        from pipeline.rl.training import PolicyTrainer
+        from pipeline.rl.trainer import PolicyTrainer
 
         settings = context.settings
         return PolicyTrainer(cls.role, cls.trainer_settings(settings), checkpoints_root(context.run_dir, cls.role),
@@ -63,7 +63,7 @@ class TrainerWorker(Worker):
     def serve_rank(cls, settings: Settings, parallel: DataParallel) -> int:
         """A rank above 0: the newest checkpoint rank 0 wrote, then the steps rank 0 broadcasts until it says stop;
         returns the steps taken."""
-        from pipeline.rl.training import replica_step
+        from pipeline.rl.trainer import replica_step
 
         step = replica_step(cls.role, cls.trainer_settings(settings), checkpoints_root(settings.run_dir, cls.role),
                             cls.temperature(settings))

@@ -124,7 +124,7 @@ def test_a_rank_killed_mid_step_fails_the_trainer_and_a_restart_resumes_without_
     script = tmp_path / "rank1_waits_mid_step.py"
     script.write_text(  # a script's own folder leads sys.path, so the repository is put first as `-m` would
         f"import os, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom pathlib import Path\n"
-        "import pipeline.rl.update as update\n"
+        "import pipeline.rl.policy_step as update\n"
         "original = update.accumulate_gradients\n"
         "def accumulate(*args, **kwargs):\n"
         f"    marker = Path({str(marker)!r})\n"

@@ -14,7 +14,7 @@ import torch
 from pipeline.models.base import SamplingParams, stream_seed
 from pipeline.models.presets import PRESETS, prepared_preset
 from pipeline.models.settings import ModelSettings
-from pipeline.rl.training import initial_policy
+from pipeline.rl.trainer import initial_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.pretrained]
 

@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from infra.db import make_engine, migrate
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer, events_of
+from pipeline.rl.trainer import PolicyTrainer, events_of
 from pipeline.rl.versions import checkpoints_root
 from schemas.base import Event, Producer
 from workers.actor_trainer import ClosedStep, actor_update

@@ -12,7 +12,7 @@ from pipeline.extractor.ops import generation_event_id
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.rl.batching import ExtractorJoin, trained_copies
 from pipeline.rl.settings import ExtractorTrainerSettings
-from pipeline.rl.training import PolicyTrainer, events_of
+from pipeline.rl.trainer import PolicyTrainer, events_of
 from pipeline.rl.versions import checkpoints_root
 from schemas.base import Event, Producer
 from schemas.extractions import ExtractionGenerated

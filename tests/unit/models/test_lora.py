@@ -20,7 +20,7 @@ from pipeline.models.lora import is_lora
 from pipeline.models.settings import LoraSettings, ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import PolicyTrainer
+from pipeline.rl.trainer import PolicyTrainer
 from pipeline.rl.versions import checkpoints_root, version_dir
 from schemas.base import Event, Producer
 from schemas.topics import topic_of
@@ -192,7 +192,7 @@ def test_a_run_cannot_switch_to_lora_when_it_resumes(lora_run, tmp_path):
 def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
     """Gradients a warm start leaves on the base would count in the first LoRA step's clipping norm: a trainer built
     on a warm-started policy steps exactly as one built on that policy's saved checkpoint (as replay is)."""
-    from pipeline.rl.training import TrainerStep, actor_batch
+    from pipeline.rl.trainer import TrainerStep, actor_batch
 
     def warm(policy, _progress):
         policy.model.train()

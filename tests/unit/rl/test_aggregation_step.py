@@ -10,9 +10,9 @@ import pytest
 
 from pipeline.models.settings import TinyModelSettings
 from pipeline.models.tiny import build_tiny
+from pipeline.rl.policy_step import make_optimizer, policy_step
 from pipeline.rl.synthetic import synthetic_trajectories
-from pipeline.rl.training import actor_samples
-from pipeline.rl.update import make_optimizer, policy_step
+from pipeline.rl.trainer import actor_samples
 
 TINY = TinyModelSettings(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          vocab_size=512, corpus_episodes=4)

@@ -16,9 +16,9 @@ from pipeline.models.checkpoints import weight_hash
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.models.tiny import build_tiny
 from pipeline.rl.data_parallel import DataParallel
+from pipeline.rl.policy_step import Sample, accumulate_gradients, shard_indices, weighted_samples
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.training import TrainerStep
-from pipeline.rl.update import Sample, accumulate_gradients, shard_indices, weighted_samples
+from pipeline.rl.trainer import TrainerStep
 
 TINY = TinyModelSettings(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                          vocab_size=512, corpus_episodes=2)

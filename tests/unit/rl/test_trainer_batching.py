@@ -173,7 +173,7 @@ def test_an_episode_its_engine_failed_gets_no_advantage_and_stays_out_of_its_sub
     the advantages are (2/3) / 0.57735 = 1.1547 and (-1/3) / 0.57735 = -0.57735; the crashed one gets 0. The guided
     subgroup is left as it was."""
     from pipeline.rl.settings import ActorTrainerSettings
-    from pipeline.rl.training import actor_advantages
+    from pipeline.rl.trainer import actor_advantages
 
     batch = [trajectory(0, "g1", 0, success=True), trajectory(0, "g1", 1), trajectory(0, "g1", 2),
              trajectory(0, "g1", 3, env_error="textworld-express: stepJSON failed"),

@@ -74,7 +74,7 @@ def test_the_cache_key_covers_the_code_that_computes_the_warm_start(tmp_path, mo
 
     root = warm_start.REPOSITORY
     files = {path.relative_to(root).as_posix() for path in warm_start.source_files(root)}
-    for needed in ("pipeline/rl/update.py", "pipeline/rl/losses.py", "pipeline/rl/training.py",
+    for needed in ("pipeline/rl/policy_step.py", "pipeline/rl/losses.py", "pipeline/rl/trainer.py",
                    "pipeline/rl/warm_start.py", "pipeline/rl/warm_data.py", "pipeline/models/transformers_backend.py",
                    "pipeline/models/tiny.py", "pipeline/extractor/protocol.py", "pipeline/envs/dark_corridor.py",
                    "pipeline/actor/episodes.py"):
@@ -90,7 +90,7 @@ def test_the_cache_key_covers_the_code_that_computes_the_warm_start(tmp_path, mo
             shutil.copy(root / part, tmp_path / part)
     before = warm_start.code_fingerprint(tmp_path)["source"]
     assert before == warm_start.code_fingerprint()["source"], "the copy hashes as the tree does"
-    update = tmp_path / "pipeline" / "rl" / "update.py"
+    update = tmp_path / "pipeline" / "rl" / "policy_step.py"
     update.write_text(update.read_text() + "\n# a change to the training step\n")
     warm_start.code_fingerprint.cache_clear()
     assert warm_start.code_fingerprint(tmp_path)["source"] != before

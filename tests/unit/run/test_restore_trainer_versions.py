@@ -26,7 +26,7 @@ from pipeline.audit.training_replay import replay_training
 from pipeline.errors import RunFailedError
 from pipeline.models.settings import ModelSettings, TinyModelSettings
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.training import PolicyTrainer, actor_batch, events_of
+from pipeline.rl.trainer import PolicyTrainer, actor_batch, events_of
 from pipeline.rl.versions import checkpoints_root, versions_in
 from pipeline.run.restore import drop_checkpoints_past
 from pipeline.runtime.offsets import LogPosition, TopicPartition

@@ -43,8 +43,7 @@ from pipeline.models.settings import ModelSettings
 from pipeline.models.tiny import build_tiny, tokenizer_corpus
 from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.rl.advantages import subgroup_advantages
-from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
-from pipeline.rl.update import (
+from pipeline.rl.policy_step import (
     GradientGroup,
     Sample,
     StepResult,
@@ -52,6 +51,7 @@ from pipeline.rl.update import (
     make_optimizer,
     policy_step,
 )
+from pipeline.rl.settings import ActorTrainerSettings, TrainerSettings
 from pipeline.rl.versions import event_id_for, version_dir, versions_in
 from pipeline.rl.warm_progress import Announce, Progress, WarmStartReporter, no_progress
 from pipeline.runtime.log import Log, events_to_end
