@@ -1,6 +1,7 @@
-"""A trajectory of 40 turns with 10,000-token prompts (~2.2 MB encoded, twice the payload cap) goes through a real
-broker as a claim check, the actor trainer trains a step on it, `crl replay train` reproduces that step bit-exactly,
-and `crl audit` shows it whole."""
+"""A trajectory of 25 turns with 10,000-token prompts (~1.4 MB encoded, above the 1 MiB payload cap) goes through a
+real broker as a claim check, the actor trainer trains a step on it, `crl replay train` reproduces that step
+bit-exactly, and `crl audit` shows it whole. (The codec's own tests take 40 such turns; a turn fewer here is a
+forward and backward pass of a 10,000-token prompt less, twice: in the trainer and in the replay.)"""
 
 from __future__ import annotations
 
@@ -17,19 +18,19 @@ from pipeline.models.checkpoints import load_checkpoint
 from pipeline.rl.synthetic import synthetic_trajectories
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.log import read_to_end
-from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, ClaimChecks, encode
+from schemas.codec import DEFAULT_CLAIM_CHECK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, ClaimChecks, encode
 from schemas.topics import POLICY, TRAIN_STEPS, topic_of
 from schemas.training import PolicyPublished, TrainStepCompleted
 from schemas.trajectories import TrajectoryCompleted, Turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
-TURNS = 40
+TURNS = 25
 PROMPT_TOKENS = 10_000
 
 
 def _long(trajectory: TrajectoryCompleted, vocabulary: int) -> TrajectoryCompleted:
-    """`trajectory` stretched to 40 turns whose prompts are 10,000 tokens each (its own turns' tokens, repeated)."""
+    """`trajectory` stretched to `TURNS` turns whose prompts are `PROMPT_TOKENS` long (its own tokens, repeated)."""
     first = trajectory.turns[0]
     turns = []
     for t in range(TURNS):
@@ -45,7 +46,7 @@ def _rows(output: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("kafka_bootstrap", ["tansu"], indirect=True)  # the broker carries a small record: one tier
-def test_a_forty_turn_trajectory_of_ten_thousand_token_prompts_trains_replays_and_shows_in_the_audit(
+def test_a_trajectory_of_ten_thousand_token_prompts_past_the_payload_cap_trains_replays_and_shows_in_the_audit(
         kafka_bootstrap, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
     env = _env(kafka_bootstrap, tmp_path) | {"CRL_ACTOR_TRAINER__MICRO_BATCH_SIZE": "1",
@@ -62,7 +63,7 @@ def test_a_forty_turn_trajectory_of_ten_thousand_token_prompts_trains_replays_an
         batches = {step: synthetic_trajectories(policy, run_id=tmp_path.name, step=step, groups=2, group_size=4,
                                                 seed=5) for step in (0, 1)}
         # Slot 0 of group 0 of step 1 becomes the long one, with the outcome slot 1 did not have: the two guided slots
-        # of the group differ, so its advantage is nonzero and every one of its 40 turns is trained on.
+        # of the group differ, so its advantage is nonzero and every one of its turns is trained on.
         success = not batches[1][1].success
         long = _long(batches[1][0].model_copy(update={"success": success, "reward": float(success),
                                                       "truncated": not success}), vocabulary)
@@ -77,7 +78,8 @@ def test_a_forty_turn_trajectory_of_ten_thousand_token_prompts_trains_replays_an
         producer.flush()
         producer.close()
         claimed = json.loads(records[long.event_id])
-        assert inline > 2_000_000 and len(records[long.event_id]) < 16 * 1024 and "claim_check" in claimed
+        assert inline > DEFAULT_MAX_PAYLOAD_BYTES and "claim_check" in claimed
+        assert len(records[long.event_id]) < 16 * 1024
         step = _wait_for("the actor's step 1", lambda: next(
             (s for s in read_to_end(kafka, TRAIN_STEPS) if isinstance(s, TrainStepCompleted) and s.role == "actor"
              and s.step == 1), None), 900, log)

@@ -28,6 +28,10 @@ from infra.kafka import KafkaSettings
 from pipeline.models.checkpoints import load_checkpoint
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories
 
+# The ranks above 0 never touch the broker, and rank 0 reads and publishes as the one-rank trainer does, whose tests
+# (test_trainers.py) run on both brokers: one tier is enough here.
+ONE_TIER = pytest.mark.parametrize("kafka_bootstrap", ["tansu"], indirect=True)
+
 pytestmark = pytest.mark.integration
 
 RANKS = 2
@@ -49,6 +53,7 @@ def _policy(kafka: KafkaSettings, log: Path):
     return load_checkpoint(Path(v0.checkpoint_uri.removeprefix("file://")), v0.sha256).policy
 
 
+@ONE_TIER
 def test_two_ranks_train_steps_that_replay_on_two_ranks(kafka_bootstrap, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
     # Collectives time out after 45 s, and the first batch comes a minute after version 0: rank 1 waits for it
@@ -88,6 +93,7 @@ def test_two_ranks_train_steps_that_replay_on_two_ranks(kafka_bootstrap, tmp_pat
     assert "taken by 2 data-parallel ranks; this replay may start at most 1" in limited.stderr
 
 
+@ONE_TIER
 def test_two_extractor_ranks_train_a_step_that_replays_on_two_ranks(kafka_bootstrap, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
     env = _env(kafka_bootstrap, tmp_path)
@@ -114,6 +120,7 @@ def test_two_extractor_ranks_train_a_step_that_replays_on_two_ranks(kafka_bootst
     _replays_train(tmp_path, env, "extractor", "extractor: 1 steps replayed, every weight hash matches (world size 2)")
 
 
+@ONE_TIER
 def test_a_rank_killed_mid_step_fails_the_trainer_and_a_restart_resumes_without_duplicate_or_gap(
         kafka_bootstrap, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
