@@ -85,10 +85,11 @@ def test_the_live_view_shows_the_warm_starts_then_the_steps_and_an_eta(tmp_path)
         "CRL_ACTOR_TRAINER__WARM_START__CACHE_DIR": str(tmp_path / "warm-start"),
         "CRL_EXTRACTOR_TRAINER__WARM_START__STEPS": "40", "CRL_EXTRACTOR_TRAINER__WARM_START__EPISODES": "16",
         "CRL_EXTRACTOR_TRAINER__WARM_START__CACHE_DIR": str(tmp_path / "warm-start"),
-        # three steps of two groups of 8 (step 0 fills the bank), 4 unseen rooms evaluated at steps 0 and 2
+        # five steps of two groups of 8 (step 0 fills the bank), 4 unseen rooms evaluated at steps 0 and 4: with
+        # three, a fast machine finished the last two steps between two screens and the pace line never showed
         "CRL_ACTOR_TRAINER__GROUPS_PER_STEP": "2", "CRL_ENVS__EVAL_TASKS_PER_ENV": "2",
     })
-    command = [sys.executable, "-m", "pipeline.cli", "run", "configs/tiny-minihack-room.yaml", "--steps", "3",
+    command = [sys.executable, "-m", "pipeline.cli", "run", "configs/tiny-minihack-room.yaml", "--steps", "5",
                "--run-dir", str(tmp_path / "run")]
     code, shown = _screens(command, env, timeout_s=780)
     last = shown[-1][1] if shown else ""
@@ -112,7 +113,7 @@ def test_the_live_view_shows_the_warm_starts_then_the_steps_and_an_eta(tmp_path)
         done = audit.query("SELECT role, total, cached FROM warm_start_progressed WHERE phase = 'done' ORDER BY role")
         assert done[1] == [("actor", 40, False), ("extractor", 40, False)], "both computed (a fresh cache), on the log"
         assert audit.query("SELECT count(*) FROM dead_letter")[1] == [(0,)], "every reader of the topic took the kind"
-        assert audit.query("SELECT count(*) FROM train_steps WHERE role = 'actor'")[1] == [(2,)]  # steps 1, 2
+        assert audit.query("SELECT count(*) FROM train_steps WHERE role = 'actor'")[1] == [(4,)]  # steps 1 to 4
     # the tracker charted both warm starts' losses from the same events, ending at their last step
     tracked = tensorboard_entries(tmp_path / "run" / "tensorboard")
     for role in ("actor", "extractor"):
