@@ -25,7 +25,8 @@ def _resolved_off_the_loop(run, value: object) -> tuple[bool, object]:
         # Reached only after the loop checked its ready queue: once the coroutine has hooked itself onto the future,
         # the loop goes to sleep here with nothing scheduled. Resolving the future from now on is the missed wake-up;
         # a fixed delay instead let a loaded machine run the check after the resolution, and the loop then finished.
-        if future._callbacks:
+        # Only a select that blocks counts: one with timeout 0 (more tasks were ready) runs the callback straight after.
+        if future._callbacks and (timeout is None or timeout > 1.0):
             asleep.set()
         return select(timeout)
 
@@ -44,9 +45,10 @@ def _resolved_off_the_loop(run, value: object) -> tuple[bool, object]:
     caller = threading.Thread(target=lambda: got.append(run(net, waits)), daemon=True)
     caller.start()
     caller.join(3.0)
+    finished = not caller.is_alive()  # read before the wake-up below, which lets a stuck caller finish after all
     net._stop = True  # the unguarded caller is stuck for good; let the IO thread end with the test
     net.wakeup()
-    return (not caller.is_alive(), got[0] if got else None)
+    return (finished, got[0] if got else None)
 
 
 def test_kafka_pythons_own_run_misses_a_wake_up_from_another_thread():
