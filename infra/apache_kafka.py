@@ -299,6 +299,22 @@ def server_properties(port: int, controller_port: int, log_dir: Path, *, node_id
     }
 
 
+@dataclass(frozen=True)
+class KafkaJvm:
+    """How a broker's JVM runs and where its jars come from: one for a broker, shared by every node of a cluster."""
+
+    heap_mb: int = 512
+    java: Path | str | None = None
+    """The `java` to run (CRL_BROKER__JAVA); None: the one on PATH."""
+    cache_dir: Path | None = None
+    """Where the jars are kept (`install_kafka_jars`); None: the project's cache directory."""
+    repository: str = MAVEN_CENTRAL
+    """The Maven repository the jars are downloaded from."""
+
+
+DEFAULT_JVM = KafkaJvm()
+
+
 class ApacheKafkaBroker(BrokerProcess):
     """Apache Kafka (KRaft, one node) as a child JVM, its log in `data_dir` (durable across restarts)."""
 
@@ -313,10 +329,7 @@ class ApacheKafkaBroker(BrokerProcess):
         data_dir: Path,
         log_path: Path | None = None,
         port: int | None = None,
-        heap_mb: int = 512,
-        java: Path | str | None = None,
-        cache_dir: Path | None = None,
-        repository: str = MAVEN_CENTRAL,
+        jvm: KafkaJvm = DEFAULT_JVM,
         start_timeout_s: float = 90.0,
         overrides: dict[str, str] | None = None,
         node_id: int = 1,
@@ -338,10 +351,7 @@ class ApacheKafkaBroker(BrokerProcess):
         listeners = self._remembered_ports()
         super().__init__(log_path=log_path, port=port or listeners.get("port"), start_timeout_s=start_timeout_s)
         self.controller_port = controller_port or listeners.get("controller_port") or free_loopback_port()
-        self.heap_mb = heap_mb
-        self.java = java
-        self.cache_dir = cache_dir
-        self.repository = repository
+        self.jvm = jvm
         self._classpath: list[Path] = []
         self._java = ""
         if security is not None:
@@ -370,8 +380,8 @@ class ApacheKafkaBroker(BrokerProcess):
         return self.remembered_ports(self.data_dir)
 
     def _prepare(self) -> None:
-        self._java = locate_java(self.java)
-        self._classpath = install_kafka_jars(self.cache_dir, self.repository)
+        self._java = locate_java(self.jvm.java)
+        self._classpath = install_kafka_jars(self.jvm.cache_dir, self.jvm.repository)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         properties = server_properties(self.port, self.controller_port, self.log_dir, node_id=self.node_id,
                                        voters=self.voters)
@@ -413,7 +423,7 @@ class ApacheKafkaBroker(BrokerProcess):
                               f"{(result.stderr or result.stdout).strip()[-1000:]}")
 
     def _command(self) -> list[str]:
-        return self._java_command("kafka.Kafka", str(self.properties_path), heap_mb=self.heap_mb)
+        return self._java_command("kafka.Kafka", str(self.properties_path), heap_mb=self.jvm.heap_mb)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker
+from infra.apache_kafka import MAVEN_CENTRAL, ApacheKafkaBroker, KafkaJvm
 from infra.broker_process import BrokerProcess, die_with_parent, free_loopback_port, wait_until_answers
 from infra.errors import BrokerError
 from infra.kafka_cluster import ApacheKafkaCluster
@@ -101,12 +101,12 @@ def embedded_broker(
     if settings.kind == "tansu":
         return TansuBroker(log_path=log_path, port=port, tansu_bin=settings.tansu_bin,
                            start_timeout_s=settings.start_timeout_s)
+    jvm = KafkaJvm(heap_mb=settings.kafka_heap_mb, java=settings.java, cache_dir=settings.cache_dir,
+                   repository=settings.maven_repository)
     if settings.brokers > 1:
-        return ApacheKafkaCluster(data_dir=data_dir, brokers=settings.brokers, log_path=log_path, port=port,
-                                  heap_mb=settings.kafka_heap_mb, java=settings.java, cache_dir=settings.cache_dir,
-                                  repository=settings.maven_repository, start_timeout_s=settings.start_timeout_s)
-    return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, heap_mb=settings.kafka_heap_mb,
-                             java=settings.java, cache_dir=settings.cache_dir, repository=settings.maven_repository,
+        return ApacheKafkaCluster(data_dir=data_dir, brokers=settings.brokers, log_path=log_path, port=port, jvm=jvm,
+                                  start_timeout_s=settings.start_timeout_s)
+    return ApacheKafkaBroker(data_dir=data_dir, log_path=log_path, port=port, jvm=jvm,
                              start_timeout_s=settings.start_timeout_s, security=security)
 
 

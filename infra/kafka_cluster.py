@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar, Self
 
-from infra.apache_kafka import KAFKA_VERSION, MAVEN_CENTRAL, ApacheKafkaBroker, new_cluster_id
+from infra.apache_kafka import DEFAULT_JVM, KAFKA_VERSION, ApacheKafkaBroker, KafkaJvm, new_cluster_id
 from infra.broker_process import free_loopback_port
 from infra.errors import BrokerError
 from infra.service import LocalService
@@ -43,10 +43,7 @@ class ApacheKafkaCluster(LocalService):
         brokers: int,
         log_path: Path | None = None,
         port: int | None = None,
-        heap_mb: int = 512,
-        java: Path | str | None = None,
-        cache_dir: Path | None = None,
-        repository: str = MAVEN_CENTRAL,
+        jvm: KafkaJvm = DEFAULT_JVM,
         start_timeout_s: float = 90.0,
     ) -> None:
         if brokers < 2:
@@ -62,8 +59,8 @@ class ApacheKafkaCluster(LocalService):
         voters = {node: controller for node, (_, controller) in ports.items()}
         self.nodes = [
             ApacheKafkaBroker(
-                data_dir=data_dir / f"node-{node}", log_path=self._node_log(node), port=broker_port, heap_mb=heap_mb,
-                java=java, cache_dir=cache_dir, repository=repository, start_timeout_s=start_timeout_s,
+                data_dir=data_dir / f"node-{node}", log_path=self._node_log(node), port=broker_port, jvm=jvm,
+                start_timeout_s=start_timeout_s,
                 node_id=node, cluster_id=cluster_id, controller_port=controller, voters=voters)
             for node, (broker_port, controller) in ports.items()
         ]

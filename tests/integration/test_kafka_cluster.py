@@ -7,6 +7,7 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from infra.admin import create_topics, replication_for
+from infra.apache_kafka import KafkaJvm
 from infra.errors import BrokerError, ConfigError
 from infra.kafka import KafkaSettings, make_admin, make_producer
 from infra.kafka_cluster import ApacheKafkaCluster
@@ -24,7 +25,7 @@ def _leader(admin, topic: str) -> int:
 def test_a_replicated_topic_keeps_every_acknowledged_record_when_its_leader_is_killed(kafka_jars, tmp_path):
     data_dir = tmp_path / "kafka"
     with ApacheKafkaCluster(data_dir=data_dir, brokers=3, log_path=tmp_path / "logs" / "broker.log",
-                            heap_mb=384) as cluster:
+                            jvm=KafkaJvm(heap_mb=384)) as cluster:
         kafka = KafkaSettings(bootstrap_servers=cluster.bootstrap_servers)
         admin = make_admin(kafka)
         try:

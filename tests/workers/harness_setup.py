@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models import TinyModelSettings, build_tiny, save_checkpoint
+from tiny_models import TINY
+
+from pipeline.models import build_tiny, save_checkpoint
 from pipeline.settings import Settings
 from schemas.base import Producer, Role
 from schemas.training import PolicyPublished
 
-TINY = TinyModelSettings(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                         intermediate_size=64, corpus_episodes=2)
 RUN = "harness-run"
 
 

@@ -5,7 +5,8 @@ skips evaluation episodes, and runs a merge request over the family's active exp
 from __future__ import annotations
 
 import numpy as np
-from harness_setup import RUN, TINY, publish_policy, settings_for
+from harness_setup import RUN, publish_policy, settings_for
+from tiny_models import TINY
 
 from pipeline.extractor.ops import generation_event_id
 from pipeline.extractor.protocol import distill_generation_id, merge_generation_id

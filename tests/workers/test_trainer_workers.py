@@ -4,7 +4,8 @@ CISPO step once enough generations are credited; each step's batch and hashes re
 from __future__ import annotations
 
 import pytest
-from harness_setup import RUN, TINY, settings_for
+from harness_setup import RUN, settings_for
+from tiny_models import TINY
 
 from pipeline.models import build_tiny
 from pipeline.rl.synthetic import synthetic_extractions, synthetic_trajectories

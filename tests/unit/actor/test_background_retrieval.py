@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tiny_models import TINY
 
 from pipeline.actor.episodes import EpisodePlayer
 from pipeline.actor.settings import RolloutSettings
@@ -22,7 +23,7 @@ from pipeline.bank.retrieval import Retriever, query_text
 from pipeline.bank.settings import RetrievalSettings
 from pipeline.envs.registry import make_env
 from pipeline.envs.settings import EnvSettings
-from pipeline.models import TinyModelSettings, build_tiny
+from pipeline.models import build_tiny
 from pipeline.models.base import PolicyModel
 from pipeline.models.settings import GenerationSettings
 from schemas.arrays import EmbeddingVector
@@ -35,8 +36,6 @@ MODEL = "all-MiniLM-L6-v2"
 RUN = "retrieval-test"
 LESSON = "Walk diagonally toward the >."
 WHO = Producer(worker="test", instance="test-0")
-TINY = TinyModelSettings(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                         intermediate_size=64, corpus_episodes=2)
 
 
 @cache

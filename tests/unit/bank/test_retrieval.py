@@ -16,6 +16,7 @@ import pytest
 from experience_ops import add
 from experience_ops import key as vector_key
 from pydantic import ValidationError
+from tiny_models import TINY
 
 from pipeline.bank.replica import LocalBank
 from pipeline.bank.retrieval import (
@@ -505,12 +506,10 @@ def test_a_merge_keyed_by_its_sources_is_found_by_their_queries_where_one_keyed_
 
 
 def test_an_added_experience_is_keyed_by_its_trajectorys_start_as_the_queries_are() -> None:
-    from pipeline.models import TinyModelSettings, build_tiny
+    from pipeline.models import build_tiny
     from pipeline.rl.synthetic import synthetic_trajectories
 
-    tiny = TinyModelSettings(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, corpus_episodes=2)
-    trajectory = synthetic_trajectories(build_tiny(tiny), run_id="r", step=0, groups=1, group_size=1, seed=3)[0]
+    trajectory = synthetic_trajectories(build_tiny(TINY), run_id="r", step=0, groups=1, group_size=1, seed=3)[0]
     first = trajectory.turns[0].observation
     for key in ("goal-and-first-observation", "goal", "first-observation"):
         assert start_query(trajectory, key) == query_text(trajectory.goal, first, key)

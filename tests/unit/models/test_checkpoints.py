@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import SMALL
 
 from pipeline.errors import CheckpointError
 from pipeline.models import (
@@ -24,31 +25,20 @@ from pipeline.models import (
     manifest_sha256,
     optimizer_tensors,
     save_checkpoint,
-    tokenizer_corpus,
     weight_hash,
 )
 from pipeline.models.base import stream_seed
 from pipeline.models.checkpoints import MANIFEST
 
-SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          intermediate_size=128, corpus_episodes=8)
 PROMPTS = ["Goal: reach the staircase down\nAction:", "Observation:\n|.@.|\n|..>|\nAction: north\nAction:"]
 
 
 def rows(seed: int, n: int) -> list[int]:
     """Row seeds for a test call of `n` prompts: one stream per (seed, row)."""
     return [stream_seed("test", seed, row) for row in range(n)]
+
+
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "manifest.json"}
-
-
-@pytest.fixture(scope="module")
-def corpus() -> list[str]:
-    return tokenizer_corpus(SMALL)
-
-
-@pytest.fixture(scope="module")
-def policy(corpus: list[str]) -> TransformersPolicy:
-    return build_tiny(SMALL, corpus=corpus)
 
 
 def _adamw(policy: TransformersPolicy) -> torch.optim.AdamW:

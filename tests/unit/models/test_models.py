@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 from pydantic import ValidationError
+from tiny_models import SMALL
 
 from pipeline.errors import ConfigError, InvalidArgumentError
 from pipeline.models import (
     Generation,
     SamplingParams,
-    TinyModelSettings,
     TransformersPolicy,
     build_tiny,
     tokenizer_corpus,
@@ -26,8 +26,6 @@ from pipeline.models import (
 )
 from pipeline.models.base import stream_seed
 
-SMALL = TinyModelSettings(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          intermediate_size=128, corpus_episodes=8)
 PROMPTS = [
     "Goal: reach the staircase down\nObservation:\n|.@.|\n|..>|\nAction:",
     "Action:",
@@ -39,16 +37,6 @@ PROMPTS = [
 def rows(seed: int, n: int = len(PROMPTS)) -> list[int]:
     """Row seeds for a test call of `n` prompts (all of PROMPTS by default): one stream per (seed, row)."""
     return [stream_seed("test", seed, row) for row in range(n)]
-
-
-@pytest.fixture(scope="module")
-def corpus() -> list[str]:
-    return tokenizer_corpus(SMALL)
-
-
-@pytest.fixture(scope="module")
-def policy(corpus: list[str]) -> TransformersPolicy:
-    return build_tiny(SMALL, corpus=corpus)
 
 
 def _batch_logprobs(policy: TransformersPolicy, generations: list[Generation],
