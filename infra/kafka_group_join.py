@@ -6,11 +6,11 @@ polls, so a `poll` whose timeout ends first leaves it in flight for the next `po
 tests `self._join_task is None or self._join_task.is_done` (`BaseCoordinator.join_group_async`) and starts a new
 JoinGroup when the task has finished: a join that completed between two polls is dropped, its assignment is never
 applied, `on_partitions_assigned` never runs, heartbeats stay off, and the new JoinGroup of a group's leader starts
-another rebalance. A member polling with `timeout_ms=0` (our rollout worker while episodes are in flight) can never
-finish a join: the task is always still in flight when its poll returns, and done at the next. After a broker restart
-or any rebalance such a member held nothing while its generation rose by about 30 a second
-(`tests/integration/test_kafka_group_join.py` reproduces it on Apache Kafka: 193 generations in 10 s of
-`poll(timeout_ms=0)`, no assignment).
+another rebalance. A member polling with `timeout_ms=0` (our rollout worker while episodes are in flight) finishes a
+join only when its SyncGroup answer happens to arrive inside one of its polls: the task is nearly always still in
+flight when a poll returns, and done at the next. After a broker restart or any rebalance such a member held nothing
+while the group's generation climbed (`tests/integration/test_kafka_group_join.py` makes a join finish between two
+polls on Apache Kafka and shows it dropped, three times out of three).
 
 `finish_completed_joins` wraps `join_group_async`: when the kept task has finished, its result is applied first,
 exactly as kafka-python applies a join it awaited (state STABLE, heartbeats on, `_on_join_complete_async`, which

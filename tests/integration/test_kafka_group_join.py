@@ -104,23 +104,67 @@ def test_a_member_polling_without_waiting_gets_its_partitions_after_a_rebalance(
                        "each holds its half")
 
 
+def _polls_after_finished_joins(bootstrap: str, group: str, rounds: int) -> list[tuple[set[int], int]]:
+    """The defect's exact order, without timing left to chance: member A holds every partition; member B joins
+    (polling with 200 ms in a thread); then, `rounds` times, A polls once with `timeout_ms=0` (which starts or awaits
+    its join), the test waits until A's join task has finished *without polling A*, and A polls once more with 0 ms.
+    Returns what A holds and its generation after each of those last polls."""
+    first = Member(bootstrap, group, TASKS.name, f"{group}-a")
+    assert first.poll_until(lambda: bool(first.owned), timeout_ms=1000, within_s=30), "no first assignment"
+    second = Member(bootstrap, group, TASKS.name, f"{group}-b")
+    stop = threading.Event()
+
+    def poll_second() -> None:
+        while not stop.is_set():
+            second.consumer.poll(timeout_ms=200)
+
+    thread = threading.Thread(target=poll_second, daemon=True)
+    thread.start()
+    coordinator = first.consumer._coordinator
+    seen: list[tuple[set[int], int]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while coordinator._join_task is None:  # B's JoinGroup starts a rebalance; A learns it from a heartbeat
+            assert time.monotonic() < deadline, "A never began a join"
+            first.consumer.poll(timeout_ms=0)
+            time.sleep(0.05)
+        for _ in range(rounds):
+            deadline = time.monotonic() + 30
+            while not (coordinator._join_task is not None and coordinator._join_task.is_done):
+                assert time.monotonic() < deadline, "A's join task never finished"
+                time.sleep(0.05)
+            first.consumer.poll(timeout_ms=0)
+            seen.append((set(first.owned), first.generation))
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        first.consumer.close(timeout_ms=1000)
+        second.consumer.close(timeout_ms=1000)
+    return seen
+
+
+def test_a_join_that_finished_between_polls_is_applied_at_the_next(kafka_bootstrap):
+    assert kafka_group_join.installed(), "infra.kafka installs the join fix on import"
+    [(held, _generation)] = _polls_after_finished_joins(kafka_bootstrap, "crl-join-between-polls", rounds=1)
+    assert held == set(range(TASKS.partitions // 2)), f"A holds {sorted(held)} after its finished join"
+
+
 @pytest.mark.apache_kafka
 def test_kafka_python_without_the_fix_drops_every_finished_join(apache_kafka_bootstrap, monkeypatch,
                                                                report_measurement):
-    """The failure the fix removes, on kafka-python as released: the member polling with `timeout_ms=0` never gets
-    its half back, while each of its joins starts another generation (what CI saw after a broker restart: a rollout
-    worker holding nothing, its partitions assigned to nobody)."""
+    """The failure the fix removes, on kafka-python as released: a join that finished between two polls is thrown
+    away by the next poll, which starts another JoinGroup (another generation) instead, so A holds nothing after each
+    (what CI saw after a broker restart: a rollout worker polling with 0 ms holding nothing, its partitions assigned
+    to nobody). With real timing such a member gets a join applied only when its SyncGroup answer happens to land
+    inside one of its 0-ms polls: now and then, after many generations."""
     assert kafka_group_join.needs_the_fix(), "kafka-python changed its join: check whether the fix is still needed"
     monkeypatch.setattr(BaseCoordinator, "join_group_async", kafka_group_join._original_join_group_async)
-    shared, generations, first, second = _second_member_joins(apache_kafka_bootstrap, "crl-join-unfixed")
-    stranded = sorted(first.owned)
-    monkeypatch.undo()  # close with the fix in place: a LeaveGroup behind a join the broker holds times out
-    first.consumer.close(timeout_ms=1000)
-    second.consumer.close(timeout_ms=1000)
-    assert not shared and stranded == []
-    assert generations >= 5
-    report_measurement(f"kafka-python 3.0.12 unfixed: the member polling with timeout_ms=0 held nothing for 10 s "
-                       f"while {generations} generations went by")
+    seen = _polls_after_finished_joins(apache_kafka_bootstrap, "crl-join-unfixed", rounds=3)
+    assert [held for held, _ in seen] == [set(), set(), set()], seen
+    generations = [generation for _, generation in seen]
+    assert generations == sorted(set(generations)), f"each dropped join should start a new generation: {generations}"
+    report_measurement(f"kafka-python 3.0.12 unfixed: 3 joins that finished between polls dropped, A holding "
+                       f"nothing after each (generations {generations})")
 
 
 @pytest.mark.apache_kafka
