@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,66 +64,64 @@ class Member(ConsumerRebalanceListener):
         return False
 
 
-def _second_member_joins(bootstrap: str, group: str) -> tuple[bool, int, Member, Member]:
-    """Member A holds every partition and polls with `timeout_ms=0` and a 50 ms turn between polls; member B joins
-    and polls with 200 ms. Whether within 10 s each holds its half (the range assignor), and how many generations the
-    group went through meanwhile."""
+@contextmanager
+def _second_member_joining(bootstrap: str, group: str) -> Iterator[tuple[Member, Member]]:
+    """Member A, holding every partition once it is in the group, and member B joining beside it and polling with
+    200 ms in a thread until the block ends; both are closed then."""
     first = Member(bootstrap, group, TASKS.name, f"{group}-a")
-    assert first.poll_until(lambda: bool(first.owned), timeout_ms=1000, within_s=30), "no first assignment"
-    before = first.generation
-    second = Member(bootstrap, group, TASKS.name, f"{group}-b")
+    second: Member | None = None
     stop = threading.Event()
-
-    def poll_second() -> None:
-        while not stop.is_set():
-            second.consumer.poll(timeout_ms=200)
-
-    thread = threading.Thread(target=poll_second, daemon=True)
-    thread.start()
-    half = TASKS.partitions // 2
+    thread: threading.Thread | None = None
     try:
-        shared = first.poll_until(lambda: len(first.owned) == half and len(second.owned) == half, timeout_ms=0,
-                                  within_s=10, pause_s=0.05)
+        assert first.poll_until(lambda: bool(first.owned), timeout_ms=1000, within_s=30), "no first assignment"
+        second = Member(bootstrap, group, TASKS.name, f"{group}-b")
+        member = second
+
+        def poll_second() -> None:
+            while not stop.is_set():
+                member.consumer.poll(timeout_ms=200)
+
+        thread = threading.Thread(target=poll_second, daemon=True)
+        thread.start()
+        yield first, second
     finally:
         stop.set()
-        thread.join(timeout=30)
-    return shared, first.generation - before, first, second
+        if thread is not None:
+            thread.join(timeout=30)
+        first.consumer.close(timeout_ms=1000)
+        if second is not None:
+            second.consumer.close(timeout_ms=1000)
+
+
+def _second_member_joins(bootstrap: str, group: str) -> tuple[bool, int, set[int], set[int]]:
+    """Member A polls with `timeout_ms=0` and a 50 ms turn between polls while member B joins. Whether within 10 s
+    each holds its half (the range assignor), how many generations the group went through meanwhile, and what each
+    holds at the end."""
+    with _second_member_joining(bootstrap, group) as (first, second):
+        before = first.generation
+        half = TASKS.partitions // 2
+        shared = first.poll_until(lambda: len(first.owned) == half and len(second.owned) == half, timeout_ms=0,
+                                  within_s=10, pause_s=0.05)
+        return shared, first.generation - before, set(first.owned), set(second.owned)
 
 
 def test_a_member_polling_without_waiting_gets_its_partitions_after_a_rebalance(kafka_bootstrap, report_measurement):
     assert kafka_group_join.installed(), "infra.kafka installs the join fix on import"
     shared, generations, first, second = _second_member_joins(kafka_bootstrap, "crl-join-fixed")
-    try:
-        assert shared, (f"after 10 s: A holds {sorted(first.owned)}, B {sorted(second.owned)}; {generations} "
-                        "generations went by")
-        assert first.owned | second.owned == set(range(TASKS.partitions))
-        assert generations <= 2, f"{generations} generations for one member joining"
-    finally:
-        first.consumer.close()
-        second.consumer.close()
+    assert shared, f"after 10 s: A holds {sorted(first)}, B {sorted(second)}; {generations} generations went by"
+    assert first | second == set(range(TASKS.partitions))
+    assert generations <= 2, f"{generations} generations for one member joining"
     report_measurement(f"a member joins beside one polling with timeout_ms=0: {generations} generation(s), "
                        "each holds its half")
 
 
 def _polls_after_finished_joins(bootstrap: str, group: str, rounds: int) -> list[tuple[set[int], int]]:
-    """The defect's exact order, without timing left to chance: member A holds every partition; member B joins
-    (polling with 200 ms in a thread); then, `rounds` times, A polls once with `timeout_ms=0` (which starts or awaits
-    its join), the test waits until A's join task has finished *without polling A*, and A polls once more with 0 ms.
-    Returns what A holds and its generation after each of those last polls."""
-    first = Member(bootstrap, group, TASKS.name, f"{group}-a")
-    assert first.poll_until(lambda: bool(first.owned), timeout_ms=1000, within_s=30), "no first assignment"
-    second = Member(bootstrap, group, TASKS.name, f"{group}-b")
-    stop = threading.Event()
-
-    def poll_second() -> None:
-        while not stop.is_set():
-            second.consumer.poll(timeout_ms=200)
-
-    thread = threading.Thread(target=poll_second, daemon=True)
-    thread.start()
-    coordinator = first.consumer._coordinator
+    """The defect's exact order, without timing left to chance: while member B joins, `rounds` times, the test waits
+    until member A's join task has finished *without polling A*, then A polls once with `timeout_ms=0`. Returns what A
+    holds and its generation after each of those polls."""
     seen: list[tuple[set[int], int]] = []
-    try:
+    with _second_member_joining(bootstrap, group) as (first, _second):
+        coordinator = first.consumer._coordinator
         deadline = time.monotonic() + 30
         while coordinator._join_task is None:  # B's JoinGroup starts a rebalance; A learns it from a heartbeat
             assert time.monotonic() < deadline, "A never began a join"
@@ -135,11 +134,6 @@ def _polls_after_finished_joins(bootstrap: str, group: str, rounds: int) -> list
                 time.sleep(0.05)
             first.consumer.poll(timeout_ms=0)
             seen.append((set(first.owned), first.generation))
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        first.consumer.close(timeout_ms=1000)
-        second.consumer.close(timeout_ms=1000)
     return seen
 
 
