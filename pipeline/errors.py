@@ -2,6 +2,8 @@
 become exit codes only at the CLI edge (`pipeline.cli.common.EXIT_CODES`).
 
 - `RetryableError`: transient (a database briefly locked, a broker timeout); the runner retries with backoff.
+- `GroupMembershipLostError`: the group coordinator refused an offset commit from a member it no longer counts in;
+  the runner commits nothing of it and lets the next poll rejoin.
 - `PoisonMessageError`: this input can never be processed; the runner writes a dead letter and moves on.
 - `ConfigError` (and `EnvUnavailableError`): the settings or the environment are wrong; nothing starts.
 - `HashMismatchError` (and `CheckpointError`): recorded and actual hashes differ; every `crl replay` mismatch is one.
@@ -26,10 +28,16 @@ from infra.errors import (
 
 __all__ = [
     "AuditQueryError", "BrokerError", "CheckpointError", "ConfigError", "EngineCrashedError", "EnvUnavailableError",
-    "HashMismatchError",
+    "GroupMembershipLostError", "HashMismatchError",
     "InvalidArgumentError", "InvalidStateError", "ParseError", "PipelineError", "PoisonMessageError",
     "RankFailedError", "RetryableError", "RunFailedError", "SnapshotError", "UnknownItemError", "WorkerFailedError",
 ]
+
+
+class GroupMembershipLostError(PipelineError):
+    """An offset commit the group coordinator refuses because this consumer is not a member of the group's current
+    generation (removed after missed heartbeats, or in the middle of a rebalance): retrying cannot help, only a poll,
+    which rejoins the group, makes commits possible again."""
 
 
 class WorkerFailedError(PipelineError):

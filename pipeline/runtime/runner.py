@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pipeline.errors import (
     ConfigError,
+    GroupMembershipLostError,
     PipelineError,
     PoisonMessageError,
     RetryableError,
@@ -482,7 +483,16 @@ class WorkerRunner:
                     del self.positions[position]
             positions = self.worker.committable(dict(self.positions))
             input_log = self.input_log
-            self._retrying_an_outage("offset commit", lambda: input_log.commit(positions))
+            try:
+                self._retrying_an_outage("offset commit", lambda: input_log.commit(positions))
+            except GroupMembershipLostError as exc:
+                # The coordinator no longer counts this member in (it missed heartbeats, or a rebalance is on):
+                # retrying without a poll cannot succeed, and by the rejoin at the next poll its partitions may be
+                # another member's. As after a revoke, nothing handled since the last commit is committed; whoever
+                # holds each partition after the rejoin reads it again from there (at-least-once).
+                log.warning("%s; nothing of %d partitions committed: the member rejoins at its next poll and what "
+                            "it handled since its last commit is read again", exc, len(positions))
+                self.positions.clear()
         self.metrics.commits += 1
         self._uncommitted = False
 

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, OffsetOutOfRangeError
+from kafka.errors import CommitFailedError, KafkaError, OffsetOutOfRangeError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.errors import ConfigError, RetryableError, WorkerFailedError
+from pipeline.errors import ConfigError, GroupMembershipLostError, RetryableError, WorkerFailedError
 from pipeline.runtime.group_commits import GroupCommitLog
 from pipeline.runtime.offsets import LogPosition
 
@@ -292,6 +292,8 @@ class KafkaGroupInput:
         offsets = {TopicPartition(t, p): OffsetAndMetadata(offset, "", -1) for (t, p), offset in positions.items()}
         try:
             self.consumer.commit(offsets)
+        except (CommitFailedError, RebalanceInProgressError) as exc:
+            raise GroupMembershipLostError(f"offset commit refused: {exc}") from exc
         except KafkaError as exc:
             raise RetryableError(f"offset commit failed: {exc}") from exc
         if self.commit_log is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +22,9 @@ from kafka.admin import NewTopic
 from kafka.coordinator.base import BaseCoordinator
 
 from infra import kafka_group_join
-from infra.kafka import KafkaSettings, make_admin, make_consumer
+from infra.kafka import KafkaSettings, make_admin, make_consumer, make_producer
+from pipeline.errors import GroupMembershipLostError
+from pipeline.runtime.transport import KafkaGroupInput
 from schemas.topics import TASKS
 
 pytestmark = pytest.mark.integration
@@ -230,3 +233,48 @@ def test_members_get_every_partition_back_after_a_broker_restart_during_a_rebala
     assert not errors, errors
     report_measurement(f"broker restart during a rebalance: every partition held again {recovered_s:.1f} s after "
                        f"the stop (generation {generation})")
+
+
+def test_a_member_the_coordinator_no_longer_counts_in_commits_nothing_and_rejoins_at_its_next_poll(kafka_bootstrap):
+    """What kafka-python does when a heartbeat is answered UNKNOWN_MEMBER_ID (the coordinator dropped the member,
+    as it did to a resumed rollout worker whose first seconds went to loading its policy): it resets the member's
+    generation. A commit then raises `GroupMembershipLostError` at once (retrying it without a poll cannot succeed:
+    the runner once did so for 5 minutes), and the next polls rejoin: the partitions come back with a new tenure and
+    are read again from their last commit."""
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    topic = f"crl.membership-{uuid.uuid4().hex[:8]}"
+    admin = make_admin(kafka)
+    admin.create_topics([NewTopic(topic, 2, 1)])
+    admin.close()
+    producer = make_producer(kafka)
+    for n in range(4):
+        producer.send(topic, value=f"record {n}".encode(), partition=n % 2)
+    producer.flush()
+    producer.close()
+    group_input = KafkaGroupInput(make_consumer(kafka, group_id=f"{topic}-group", client_id="member-0"), [topic], {})
+    try:
+        first = _read(group_input, 4)
+        tenures = {(r.topic, r.partition): group_input.tenure((r.topic, r.partition)) for r in first}
+        group_input.commit({(topic, 0): 1})  # one record of partition 0 done and committed
+
+        group_input.consumer._coordinator.reset_generation()  # the heartbeat's UNKNOWN_MEMBER_ID
+        started = time.monotonic()
+        with pytest.raises(GroupMembershipLostError, match="offset commit refused"):
+            group_input.commit({(topic, 0): 2, (topic, 1): 2})
+        assert time.monotonic() - started < 5.0
+
+        again = _read(group_input, 3)  # rejoined: partition 0 from its commit, partition 1 from the beginning
+        assert sorted((r.partition, r.offset) for r in again) == [(0, 1), (1, 0), (1, 1)]
+        assert all(group_input.tenure(position) != tenure for position, tenure in tenures.items())
+        group_input.commit({(topic, 0): 2, (topic, 1): 2})
+    finally:
+        group_input.close()
+
+
+def _read(group_input: KafkaGroupInput, count: int, within_s: float = 30.0) -> list:
+    records: list = []
+    deadline = time.monotonic() + within_s
+    while len(records) < count:
+        assert time.monotonic() < deadline, f"read {len(records)} of {count} records in {within_s:.0f} s"
+        records.extend(group_input.poll(200))
+    return records

@@ -5,12 +5,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from typing import ClassVar
 
 import pytest
 
-from pipeline.errors import PoisonMessageError, RetryableError, WorkerFailedError
+from pipeline.errors import GroupMembershipLostError, PoisonMessageError, RetryableError, WorkerFailedError
 from pipeline.runtime.blobs import BlobStore
 from pipeline.runtime.harness import Journal, MemoryOutput, RawRecord, run_worker
 from pipeline.runtime.runner import Origin, Worker, WorkerIO
@@ -423,6 +424,28 @@ def test_a_failed_offset_commit_is_retried():
     runner.run()
     assert input_log.committed == {("crl.control", 0): 1}
     assert runner.metrics.retries == 1
+
+
+def test_a_commit_refused_for_a_lost_group_membership_is_dropped_not_retried(caplog):
+    """The coordinator no longer counts the member in (kafka-python's CommitFailedError after a heartbeat answered
+    UNKNOWN_MEMBER_ID): retrying cannot succeed before a poll rejoins, so the runner commits nothing of what it holds
+    and goes on; retrying it for the outage time (5 minutes) without polling is how a resumed rollout worker stalled."""
+    journal = Journal()
+    runner, input_log, _output = _runner_over(EchoStop(), [_examples()["StopRequested"]], journal,
+                                              settings=RunnerSettings(retry_backoff_s=0.001))
+    attempts: list[dict] = []
+
+    def refused(positions):
+        attempts.append(dict(positions))
+        raise GroupMembershipLostError("offset commit refused: CommitFailedError")
+
+    input_log.commit = refused
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.runner"):
+        runner.run()  # no WorkerFailedError: the member rejoins at its next poll
+    assert attempts == [{("crl.control", 0): 1}]  # tried once, never again
+    assert input_log.committed == {} and runner.positions == {}
+    assert runner.metrics.retries == 0
+    assert "nothing of 1 partitions committed" in caplog.text
 
 
 def test_a_state_flush_that_fails_for_a_while_is_retried_then_commits():
