@@ -493,6 +493,8 @@ class WorkerRunner:
                 log.warning("%s; nothing of %d partitions committed: the member rejoins at its next poll and what "
                             "it handled since its last commit is read again", exc, len(positions))
                 self.positions.clear()
+                self._uncommitted = False
+                return  # not counted as a commit: nothing was committed
         self.metrics.commits += 1
         self._uncommitted = False
 
