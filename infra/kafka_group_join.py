@@ -12,12 +12,25 @@ flight when a poll returns, and done at the next. After a broker restart or any 
 while the group's generation climbed (`tests/integration/test_kafka_group_join.py` makes a join finish between two
 polls on Apache Kafka and shows it dropped, three times out of three).
 
-`finish_completed_joins` wraps `join_group_async`: when the kept task has finished, its result is applied first,
-exactly as kafka-python applies a join it awaited (state STABLE, heartbeats on, `_on_join_complete_async`, which
-assigns the partitions and calls the listener); a failed task is dropped and its error raised when kafka-python would
-raise it. Upstream would need only `if self._join_task is None:` in place of that test (the failure branches already
-clear the task), and `rejoin_needed` cleared when JoinGroup succeeds rather than after SyncGroup, as the Java client
-does.
+A second path leaves a join unapplied without a later poll even looking at it. The consumer's `poll` calls
+`ensure_active_group` only while `need_rejoin()` is true, and for a rejoin the group's leader started because the
+topics' metadata changed (`assignment_snapshot != metadata_snapshot`: a topic appeared or grew partitions, or the
+first join was assigned before the member knew the topic's partitions) `need_rejoin()` turns false the moment the
+leader computes the new assignment, inside the join task, before its SyncGroup is answered. When that answer comes
+after the poll's timeout, no later poll awaits the task: the member stays REBALANCING with heartbeats off and no
+partitions, the coordinator drops it after the session timeout, and nothing tells it (CI saw a consumer that
+subscribed right after its topic was created hold nothing for 60 s; 4 rounds in 60 reproduce it with two busy cores
+beside, `tests/integration/test_kafka_group_join.py` makes the order certain).
+
+`finish_completed_joins` installs two changes:
+- `join_group_async`: when the kept task has finished, its result is applied first, exactly as kafka-python applies a
+  join it awaited (state STABLE, heartbeats on, `_on_join_complete_async`, which assigns the partitions and calls the
+  listener); a failed task is dropped and its error raised when kafka-python would raise it;
+- `need_rejoin`: also true while a join task is kept (in flight or finished, not yet applied), so the next poll
+  awaits or applies it: the Java client's `rejoinNeededOrPending()`.
+Upstream would need `if self._join_task is None:` in place of that test (the failure branches already clear the
+task), `need_rejoin` true while `_join_task` is set, and `rejoin_needed` cleared when JoinGroup succeeds rather than
+after SyncGroup, as the Java client does.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _BUGGY_TEST = "if self._join_task is None or self._join_task.is_done:"
 _original_join_group_async = BaseCoordinator.join_group_async
+_original_need_rejoin = BaseCoordinator.need_rejoin
 _RETRIED_AT_ONCE = (Errors.UnknownMemberIdError, Errors.RebalanceInProgressError, Errors.IllegalGenerationError,
                     Errors.MemberIdRequiredError)
 
@@ -75,12 +89,20 @@ async def _join_group_async(self: BaseCoordinator, timeout_ms: int | None = None
     return result
 
 
+def _need_rejoin_or_pending(self: BaseCoordinator) -> bool:
+    """kafka-python's `need_rejoin`, or a join task kept and not yet applied (the subclasses' own reasons to rejoin,
+    such as the consumer's metadata snapshots, come first and fall through to this)."""
+    return bool(_original_need_rejoin(self)) or self._join_task is not None
+
+
 def finish_completed_joins() -> None:
     """Install the fix (idempotent) where the installed kafka-python needs it; `infra.kafka` calls this on import."""
     if BaseCoordinator.join_group_async is _original_join_group_async and needs_the_fix():
         BaseCoordinator.join_group_async = _join_group_async
+        BaseCoordinator.need_rejoin = _need_rejoin_or_pending
 
 
 def installed() -> bool:
     """Whether consumers created now join through the fix."""
-    return BaseCoordinator.join_group_async is _join_group_async
+    return (BaseCoordinator.join_group_async is _join_group_async
+            and BaseCoordinator.need_rejoin is _need_rejoin_or_pending)

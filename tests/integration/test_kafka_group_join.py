@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from kafka import ConsumerRebalanceListener, KafkaConsumer
-from kafka.admin import NewTopic
+from kafka.admin import NewPartitions, NewTopic
 from kafka.coordinator.base import BaseCoordinator
 
 from infra import kafka_group_join
@@ -144,6 +144,69 @@ def test_a_join_that_finished_between_polls_is_applied_at_the_next(kafka_bootstr
     assert kafka_group_join.installed(), "infra.kafka installs the join fix on import"
     [(held, _generation)] = _polls_after_finished_joins(kafka_bootstrap, "crl-join-between-polls", rounds=1)
     assert held == set(range(TASKS.partitions // 2)), f"A holds {sorted(held)} after its finished join"
+
+
+def _leader_after_a_rejoin_for_new_partitions(bootstrap: str, topic: str) -> tuple[Member, list[set[int]]]:
+    """The second path, in its exact order: the group's only member (its leader) holds the one partition of `topic`;
+    the topic grows a second partition; once the member's metadata says so, a poll with `timeout_ms=0` starts the
+    rejoin, the test waits until the join task has finished without polling, then polls three times. What the member
+    holds after each of those polls."""
+    admin = make_admin(KafkaSettings(bootstrap_servers=bootstrap))
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1)])
+        leader = Member(bootstrap, f"{topic}-group", topic, f"{topic}-leader")
+        assert leader.poll_until(lambda: leader.owned == {0}, timeout_ms=1000, within_s=30), "no first assignment"
+        admin.create_partitions({topic: NewPartitions(total_count=2)})
+    finally:
+        admin.close()
+    coordinator = leader.consumer._coordinator
+    deadline = time.monotonic() + 30
+    while coordinator._join_task is None:  # the metadata refresh makes the leader's snapshots differ: a rejoin
+        assert time.monotonic() < deadline, "the leader never began a rejoin for the new partition"
+        coordinator._cluster.request_update()
+        time.sleep(0.2)
+        leader.consumer.poll(timeout_ms=0)
+    deadline = time.monotonic() + 30
+    while not coordinator._join_task.is_done:
+        assert time.monotonic() < deadline, "the leader's join task never finished"
+        time.sleep(0.05)
+    held = []
+    for _ in range(3):
+        leader.consumer.poll(timeout_ms=0)
+        held.append(set(leader.owned))
+    return leader, held
+
+
+@pytest.mark.apache_kafka
+def test_a_leaders_rejoin_for_new_partitions_that_finished_between_polls_is_applied(apache_kafka_bootstrap):
+    """kafka-python's consumer stops asking to rejoin once the leader has computed the new assignment, inside the join
+    task: with the fix the kept task still counts as a rejoin pending, so the next poll applies it. (Apache Kafka
+    only: Tansu 0.6 does not answer CreatePartitions; the fix is in the client, whatever the broker.)"""
+    assert kafka_group_join.installed(), "infra.kafka installs the join fix on import"
+    leader, held = _leader_after_a_rejoin_for_new_partitions(apache_kafka_bootstrap,
+                                                             f"crl.grown-{uuid.uuid4().hex[:8]}")
+    try:
+        assert held[0] == {0, 1}, f"the leader holds {held} after its finished rejoin"
+    finally:
+        leader.consumer.close(timeout_ms=1000)
+
+
+@pytest.mark.apache_kafka
+def test_kafka_python_without_the_fix_never_applies_a_leaders_rejoin_that_finished_between_polls(
+        apache_kafka_bootstrap, monkeypatch):
+    """The second path on kafka-python as released (its `need_rejoin`): after the leader's rejoin finished between
+    polls no poll looks at it again, so the member holds nothing, its heartbeats stay off and the coordinator will
+    drop it; nothing rejoins (what CI saw: a consumer that subscribed right after its topic was made held nothing for
+    60 s)."""
+    monkeypatch.setattr(BaseCoordinator, "need_rejoin", kafka_group_join._original_need_rejoin)
+    leader, held = _leader_after_a_rejoin_for_new_partitions(apache_kafka_bootstrap,
+                                                             f"crl.grown-unfixed-{uuid.uuid4().hex[:8]}")
+    try:
+        assert held == [set(), set(), set()], held
+        assert not leader.consumer._coordinator.need_rejoin()
+        assert leader.consumer._coordinator._join_task is not None and leader.consumer._coordinator._join_task.is_done
+    finally:
+        leader.consumer.close(timeout_ms=1000)
 
 
 @pytest.mark.apache_kafka
