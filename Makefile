@@ -3,13 +3,14 @@
 #   make test    create .venv, fetch Apache Kafka's jars, lint, type check and run the whole test suite
 #   make check   lint, type check, and the tests that need no service (before every commit; at most 3 minutes)
 #   make docs    regenerate docs/configuration.md and docs/cli.md from the code
+#   make images  build the compose stack's images from Debian's packages, PyPI and Maven Central (no registry needed)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test check lint types docs venv kafka-jars clean
+.PHONY: run test check lint types docs venv kafka-jars images clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +54,11 @@ types: venv
 docs: venv
 	$(BIN)/crl config reference > docs/configuration.md
 	$(BIN)/typer pipeline.cli utils docs --name crl --title "crl: every command and option" --output docs/cli.md
+
+# The images of docker-compose.yml built on this machine (infra/images/build.py; a Docker engine, root for the Debian
+# base), then: docker-compose --env-file infra/images/local.env up -d
+images: venv
+	$(BIN)/python -m infra.images.build
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,7 +7,8 @@
   deleted and the registry topics are created anew. The broker is, in this order of preference:
   1. the embedded JVM broker (`infra/apache_kafka.py`) wherever Java 17+ runs; its jars come from Maven Central once
      (`make test` fetches them) and are sha256-checked;
-  2. an `apache/kafka` container (testcontainers) where a Docker engine answers;
+  2. an `apache/kafka` container (testcontainers) where a Docker engine answers (the compose tier runs the same
+     path on the Apache Kafka image built on this machine, `tests/compose/test_testcontainers.py`);
   3. neither: the tier is skipped with the reason, and fails instead on CI (`CI=true`).
   The session's header names the one it took.
 `empty_kafka` is the same choice without topics, for tests of what creates them.
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -64,11 +66,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(line)
 
 
-TIER_OF_FOLDER = {"integration": "integration", "e2e": "e2e"}
+TIER_OF_FOLDER = {"integration": "integration", "e2e": "e2e", "compose": "compose"}
 RUNS = ("tests/e2e/", "tests/integration/test_pretrained_models.py")
 """The tests that run whole `crl run`s or load SmolLM2: under pytest-xdist they run one after another on one worker."""
 LAST_RUN = "tests/e2e/test_scenario.py::"
 """...but for the Apache Kafka scenario (`[kafka]`): a unit of its own, last, for the worker that frees up first."""
+COMPOSE = "tests/compose/"
+"""The compose tier: one unit (its images, its Docker engine and its stack are shared by its tests), after the tests
+that are their own units and before the Apache Kafka scenario."""
 APACHE_KAFKA_FIXTURES = {"apache_kafka", "apache_kafka_bootstrap", "kafka_jars"}
 APACHE_KAFKA_PARAMS = {"apache-kafka", "kafka"}
 
@@ -80,8 +85,9 @@ def _is_last_run(nodeid: str) -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (`make test` runs `-n 2`): the tests of `RUNS` form one unit of work, given to one worker
-    and run in order there, while the other worker takes every other test one at a time; the Apache Kafka scenario
-    comes last, as a unit of its own. Two whole runs side by side would only fight over two cores and the memory.
+    and run in order there, while the other worker takes every other test one at a time; the compose tier, then the
+    Apache Kafka scenario come last, each a unit of its own. Two whole runs side by side would only fight over two
+    cores and the memory.
     (pytest-xdist's own `--dist loadgroup` cannot do this with pytest 9: the group it appends to a test's id no
     longer reaches the scheduler.)"""
     from xdist.scheduler import LoadScopeScheduling
@@ -90,6 +96,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             if _is_last_run(nodeid):
                 return "apache-kafka scenario"
+            if nodeid.startswith(COMPOSE):
+                return "compose"
             return "runs" if nodeid.startswith(RUNS) else nodeid
 
     config.option.loadscopereorder = False  # units in the order `_order` gave, not the largest first
@@ -101,6 +109,8 @@ def _order(item: pytest.Item) -> int:
     and nothing else runs beside them on that worker. The Apache Kafka scenario last: by then the other worker has
     finished the short tests and takes it."""
     if _is_last_run(item.nodeid):
+        return 4
+    if item.nodeid.startswith(COMPOSE):
         return 3
     if item.nodeid.startswith(RUNS):
         return 0 if item.get_closest_marker("pretrained") else 1
@@ -173,11 +183,13 @@ def _embedded_apache_kafka(data_dir: Path) -> Iterator[str]:
         yield broker.bootstrap_servers
 
 
-def _apache_kafka_container() -> Iterator[str]:
+def apache_kafka_container(image: str = APACHE_KAFKA_IMAGE) -> Iterator[str]:
+    """Bootstrap address of a single-node KRaft Apache Kafka in a container of `image` (testcontainers), with the
+    settings of the compose service and of the embedded broker; the container is removed at the end."""
     from testcontainers.core.container import DockerContainer
 
     container = (
-        DockerContainer(APACHE_KAFKA_IMAGE)
+        DockerContainer(image)
         .with_exposed_ports(9092)
         .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
         .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
@@ -196,10 +208,16 @@ def _apache_kafka_container() -> Iterator[str]:
         port = container.get_exposed_port(9092)
         container.exec(f"bash -c 'echo PLAINTEXT://{host}:{port} > /tmp/advertised'")
         wait_until_answers(f"{host}:{port}", timeout_s=90)
-        _CHOSEN["apache-kafka"] = f"{APACHE_KAFKA_IMAGE} container (testcontainers) at {host}:{port}"
+        _CHOSEN["apache-kafka"] = f"{image} container (testcontainers) at {host}:{port}"
         yield f"{host}:{port}"
     finally:
         container.stop()
+
+
+@pytest.fixture(scope="session")
+def apache_kafka_in_container() -> Callable[[str], contextlib.AbstractContextManager[str]]:
+    """`apache_kafka_container` as a context manager, for the tests that pick the image."""
+    return contextlib.contextmanager(apache_kafka_container)
 
 
 @pytest.fixture(scope="session")
@@ -230,7 +248,7 @@ def apache_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             if os.environ.get("CI") == "true":
                 pytest.fail(reason)
             pytest.skip(reason)
-        yield from _apache_kafka_container()
+        yield from apache_kafka_container()
         return
     data_dir = tmp_path_factory.mktemp("apache-kafka")
     try:

@@ -52,7 +52,8 @@ for _typer in (app, *(group.typer_instance for group in app.registered_groups)):
 
 @app.callback()
 def _load(
-    log_level: Annotated[LogLevel, typer.Option(help="Console logging level (worker log files always get info).")]
+    log_level: Annotated[LogLevel, typer.Option(
+        envvar="CRL_LOG_LEVEL", help="Console logging level (worker log files always get info).")]
     = LogLevel.warning,
     config: Annotated[Path | None, typer.Option(
         help="Run config (YAML); same as CRL_CONFIG. CRL_* variables override it.")] = None,

@@ -2,12 +2,16 @@
 
 - `docker-compose config -q` accepts the compose file (Debian's docker-compose 1.29 validates it without a Docker
   engine); skipped when the binary is missing, except under CI=true where that is a failure;
-- every image is pinned; Kafka has a healthcheck and topic auto-creation off; workers wait for a healthy Kafka and
-  for topic-init, which runs `crl topics create`;
+- every image is pinned (the defaults of its `${VARIABLE:-default}`), and `infra/images/local.env` names a local
+  image for each variable, as `python -m infra.images.build` tags them;
+- Kafka has a healthcheck and topic auto-creation off; workers wait for a healthy Kafka and for topic-init, which
+  runs `crl topics create`;
 - the compose broker, the embedded Apache Kafka (`infra/apache_kafka.py`) and the client settings agree: the same
   Kafka release, the same broker settings, and a group session timeout that a stock broker accepts;
 - the worker services (command `worker ...`) are exactly the keys of `workers.WORKERS`, service name = key with
   `_` replaced by `-`;
+- workers restart on failure only (the scheduler exits 0 after its run), under tini, with the run directory per
+  `CRL_RUN_ID` and the user's cache on volumes whose folders the image creates for its user;
 - the Dockerfile pins its base image and the same torch as pyproject.toml, and its entrypoint is `crl`.
 
 Run: pytest tests/unit/infra/test_compose.py
@@ -29,6 +33,7 @@ import pytest
 import yaml
 
 from infra.apache_kafka import BROKER_POLICY, KAFKA_VERSION
+from infra.images.build import VARIABLE_OF, local_tags, read_env_file
 from infra.kafka import KafkaSettings
 from workers import WORKERS
 
@@ -41,6 +46,18 @@ PYPROJECT = REPO_ROOT / "pyproject.toml"
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+
+
+VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def _default(value: str) -> str:
+    """`value` as docker-compose reads it with no variable set: every `${NAME:-default}` replaced by its default."""
+    return VARIABLE.sub(lambda match: match.group(2), value)
+
+
+def _variables(value: str) -> dict[str, str]:
+    return dict(VARIABLE.findall(value))
 
 
 def _command(service: dict[str, Any]) -> list[str]:
@@ -101,7 +118,7 @@ def test_every_image_is_pinned(services: dict[str, dict[str, Any]]) -> None:
     unpinned = {
         name: service["image"]
         for name, service in services.items()
-        if "image" in service and _image_tag(service["image"]) in (None, "latest")
+        if "image" in service and _image_tag(_default(service["image"])) in (None, "latest")
     }
     assert not unpinned, f"images without a tag or tagged latest: {unpinned}"
     assert all("image" in service or "build" in service for service in services.values())
@@ -115,7 +132,7 @@ def test_kafka_has_a_healthcheck_and_no_topic_auto_creation(services: dict[str, 
 
 def test_compose_kafka_and_the_embedded_apache_kafka_agree(services: dict[str, dict[str, Any]]) -> None:
     kafka = services["kafka"]
-    assert kafka["image"] == f"apache/kafka:{KAFKA_VERSION}"
+    assert _default(kafka["image"]) == f"apache/kafka:{KAFKA_VERSION}"
     compose = {key.removeprefix("KAFKA_").lower().replace("_", "."): str(value)
                for key, value in _environment(kafka).items()}
     assert {key: compose.get(key) for key in BROKER_POLICY} == BROKER_POLICY
@@ -164,7 +181,10 @@ def test_worker_services_match_the_worker_registry(services: dict[str, dict[str,
 
 def test_dockerfile_pins_base_image_and_torch() -> None:
     instructions = _dockerfile_instructions()
-    base_images = [arguments.split()[0] for keyword, arguments in instructions if keyword == "FROM"]
+    build_args = dict(arguments.split("=", 1)
+                      for keyword, arguments in instructions if keyword == "ARG" and "=" in arguments)
+    base_images = [re.sub(r"\$\{(\w+)\}", lambda match: build_args[match.group(1)], arguments.split()[0])
+                   for keyword, arguments in instructions if keyword == "FROM"]
     assert base_images, "infra/Dockerfile has no FROM"
     for image in base_images:
         assert _image_tag(image) not in (None, "latest"), image
@@ -185,3 +205,40 @@ def test_dockerfile_runs_crl_as_a_non_root_user() -> None:
     assert entrypoints and json.loads(entrypoints[-1]) == ["crl"]
     users = [arguments for keyword, arguments in instructions if keyword == "USER"]
     assert users and users[-1] not in ("root", "0")
+
+
+def test_every_image_has_a_variable_and_a_local_build(services: dict[str, dict[str, Any]]) -> None:
+    """Official images by default; `infra/images/local.env` (what `python -m infra.images.build` tags) for each."""
+    local = read_env_file()
+    built = local_tags()
+    variables = {}
+    for name, service in services.items():
+        if name == "kafka-ui":  # only under the `ui` profile: an image from a registry, nothing depends on it
+            assert service["profiles"] == ["ui"]
+            continue
+        found = _variables(service["image"])
+        assert len(found) == 1, f"{name}: image {service['image']!r} is not one ${{VARIABLE:-default}}"
+        variables.update(found)
+        for arg in (service.get("build") or {}).get("args", {}).values():
+            variables.update(_variables(str(arg)))
+    assert set(variables) - {"CRL_TORCH_INDEX_URL"} <= set(local), f"not in local.env: {set(variables) - set(local)}"
+    for name, variable in VARIABLE_OF.items():
+        assert local[variable] == built[name]
+    assert variables["CRL_KAFKA_IMAGE"] == f"apache/kafka:{KAFKA_VERSION}"
+    assert local["CRL_KAFKA_IMAGE"].endswith(f":{KAFKA_VERSION}")
+    assert variables["CRL_PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+
+
+def test_workers_restart_on_failure_under_tini_with_a_run_directory_per_run_id(
+        services: dict[str, dict[str, Any]]) -> None:
+    for name, service in _worker_services(services).items():
+        assert service["restart"] == "on-failure", f"{name}: a finished scheduler exits 0 and must stay down"
+        assert service["init"] is True, f"{name}: tini passes `docker kill --signal` on to the worker"
+        assert [volume.split(":")[1] for volume in service["volumes"]] == \
+            ["/data/runs", "/home/crl/.cache/complementary-rl"], name
+        environment = _environment(service)
+        assert environment["CRL_RUN_DIR"] == "/data/runs/${CRL_RUN_ID:-default}"
+        assert environment["CRL_RUN_ID"] == "${CRL_RUN_ID:-default}"
+    dockerfile = DOCKERFILE.read_text()
+    assert "mkdir -p /data/runs /home/crl/.cache/complementary-rl" in dockerfile
+    assert "chown -R crl:crl /data /home/crl/.cache" in dockerfile
