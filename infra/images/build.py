@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.apache_kafka import BROKER_FILES, install_kafka_jars
+from infra.errors import PipelineError
 
 IMAGES_DIR = Path(__file__).resolve().parent
 REPO_ROOT = IMAGES_DIR.parents[1]
@@ -50,7 +51,7 @@ VARIABLE_OF = {"debian": "CRL_DEBIAN_IMAGE", "python": "CRL_PYTHON_IMAGE", "kafk
                "postgres": "CRL_POSTGRES_IMAGE", "worker": "CRL_IMAGE"}
 
 
-class ImageBuildError(RuntimeError):
+class ImageBuildError(PipelineError):
     """An image could not be built; the message says which and why."""
 
 
