@@ -72,8 +72,9 @@ RUNS = ("tests/e2e/", "tests/integration/test_pretrained_models.py")
 LAST_RUN = "tests/e2e/test_scenario.py::"
 """...but for the Apache Kafka scenario (`[kafka]`): a unit of its own, last, for the worker that frees up first."""
 COMPOSE = "tests/compose/"
-"""The compose tier: one unit (its images, its Docker engine and its stack are shared by its tests), after the tests
-that are their own units and before the Apache Kafka scenario."""
+"""The compose tier: at the end of the `RUNS` unit. Its stack is a whole run too, with many processes, and runs beside
+it were seen to starve: a run's rollout group beside the stack's image builds never settled again after a member left
+(both members recreating their consumers every 30 s for 18 minutes)."""
 APACHE_KAFKA_FIXTURES = {"apache_kafka", "apache_kafka_bootstrap", "kafka_jars"}
 APACHE_KAFKA_PARAMS = {"apache-kafka", "kafka"}
 
@@ -85,9 +86,9 @@ def _is_last_run(nodeid: str) -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (`make test` runs `-n 2`): the tests of `RUNS` form one unit of work, given to one worker
-    and run in order there, while the other worker takes every other test one at a time; the compose tier, then the
-    Apache Kafka scenario come last, each a unit of its own. Two whole runs side by side would only fight over two
-    cores and the memory.
+    and run in order there, the compose tier last of them, while the other worker takes every other test one at a
+    time; the Apache Kafka scenario comes last, as a unit of its own. Two whole runs side by side would only fight
+    over two cores and the memory.
     (pytest-xdist's own `--dist loadgroup` cannot do this with pytest 9: the group it appends to a test's id no
     longer reaches the scheduler.)"""
     from xdist.scheduler import LoadScopeScheduling
@@ -96,9 +97,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             if _is_last_run(nodeid):
                 return "apache-kafka scenario"
-            if nodeid.startswith(COMPOSE):
-                return "compose"
-            return "runs" if nodeid.startswith(RUNS) else nodeid
+            return "runs" if nodeid.startswith((*RUNS, COMPOSE)) else nodeid
 
     config.option.loadscopereorder = False  # units in the order `_order` gave, not the largest first
     return RunsTogether(config, log)
@@ -111,10 +110,10 @@ def _order(item: pytest.Item) -> int:
     if _is_last_run(item.nodeid):
         return 4
     if item.nodeid.startswith(COMPOSE):
-        return 3
+        return 2
     if item.nodeid.startswith(RUNS):
         return 0 if item.get_closest_marker("pretrained") else 1
-    return 2
+    return 3
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
