@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
+from run_checks import assert_every_step_exactly_once
 
 from infra.admin import existing_partition_counts
 from infra.broker_process import free_loopback_port
@@ -361,15 +362,8 @@ def test_the_run_completes_with_every_step_exactly_once(stack, report_measuremen
             return audit.query(sql)[1]
 
         assert ("completed",) in rows("SELECT status FROM run_finished")
-        assert rows("SELECT count(*), count(DISTINCT event_id) FROM episode_assigned") == [(episodes, episodes)]
-        assert rows("SELECT count(*), count(DISTINCT assignment_event_id), count(DISTINCT trajectory_id) "
-                    "FROM trajectory_completed") == [(episodes, episodes, episodes)]
-        assert rows("SELECT list(version ORDER BY version) FROM policy_published WHERE role = 'actor'") == \
-            [(list(range(STEPS)),)]
-        assert rows("SELECT list(step ORDER BY step) FROM train_step_completed WHERE role = 'actor'") == \
-            [(list(range(1, STEPS)),)]
+        assert_every_step_exactly_once(audit, STEPS, EPISODES)
         assert rows("SELECT count(*) FROM experience_added")[0][0] >= 1
-        assert rows("SELECT count(*) FROM dead_letter") == [(0,)]
         played = rows(f"SELECT count(*) FROM read_parquet('{stack.run_dir / 'archive'}/*/*.parquet') "
                       "WHERE kind = 'TrajectoryCompleted'")[0][0]
     report_measurement(f"compose stack: {phase['seconds']:.0f} s from up to drained, {played - episodes} of "

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from crl_process import assert_replays_match, run_env
 from kafka.admin import ConfigResource, ConfigResourceType
+from run_checks import assert_every_step_exactly_once
 
 from infra.kafka import KafkaSettings, make_admin
 from pipeline.audit.views import Audit
@@ -109,15 +110,7 @@ def test_a_run_that_loses_one_of_three_brokers_carries_on_to_the_end(cluster_run
 
         assert rows("SELECT status FROM run_finished") == [("completed",)]
         assert rows("SELECT count(*) FROM run_resumed") == [(0,)]
-        episodes = STEPS * EPISODES
-        assert rows("SELECT count(*), count(DISTINCT event_id) FROM episode_assigned") == [(episodes, episodes)]
-        assert rows("SELECT count(*), count(DISTINCT assignment_event_id), count(DISTINCT trajectory_id) "
-                    "FROM trajectory_completed") == [(episodes, episodes, episodes)]
-        assert rows("SELECT list(version ORDER BY version) FROM policy_published WHERE role = 'actor'") == \
-            [(list(range(STEPS)),)]
-        assert rows("SELECT list(step ORDER BY step) FROM train_step_completed WHERE role = 'actor'") == \
-            [(list(range(1, STEPS)),)]
-        assert rows("SELECT count(*) FROM dead_letter") == [(0,)]
+        assert_every_step_exactly_once(audit, STEPS, EPISODES)
 
 
 def test_both_replays_match_after_the_broker_died(cluster_run):
