@@ -72,9 +72,11 @@ RUNS = ("tests/e2e/", "tests/integration/test_pretrained_models.py")
 LAST_RUN = "tests/e2e/test_scenario.py::"
 """...but for the Apache Kafka scenario (`[kafka]`): a unit of its own, last, for the worker that frees up first."""
 COMPOSE = "tests/compose/"
-"""The compose tier: at the end of the `RUNS` unit. Its stack is a whole run too, with many processes, and runs beside
-it were seen to starve: a run's rollout group beside the stack's image builds never settled again after a member left
-(both members recreating their consumers every 30 s for 18 minutes)."""
+"""The compose tier: a unit of its own, the first the other worker takes, so that its image builds (mostly downloads
+and disk) and its stack run beside the SmolLM2 tests at the start of `RUNS` rather than after them. At the end of
+`RUNS` instead, it made that worker's queue some 15 minutes longer than the other's. (Beside its image builds a run's
+rollout group was once seen never to settle again after a member left, both members recreating their consumers
+every 30 s for 18 minutes; the group watch now waits longer after each recreation in a row, with a random part.)"""
 APACHE_KAFKA_FIXTURES = {"apache_kafka", "apache_kafka_bootstrap", "kafka_jars"}
 APACHE_KAFKA_PARAMS = {"apache-kafka", "kafka"}
 
@@ -86,8 +88,8 @@ def _is_last_run(nodeid: str) -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (`make test` runs `-n 2`): the tests of `RUNS` form one unit of work, given to one worker
-    and run in order there, the compose tier last of them, while the other worker takes every other test one at a
-    time; the Apache Kafka scenario comes last, as a unit of its own. Two whole runs side by side would only fight
+    and run in order there, while the other worker takes the compose tier (a unit too), then every other test one at
+    a time; the Apache Kafka scenario comes last, as a unit of its own. Two whole runs side by side would only fight
     over two cores and the memory.
     (pytest-xdist's own `--dist loadgroup` cannot do this with pytest 9: the group it appends to a test's id no
     longer reaches the scheduler.)"""
@@ -97,22 +99,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             if _is_last_run(nodeid):
                 return "apache-kafka scenario"
-            return "runs" if nodeid.startswith((*RUNS, COMPOSE)) else nodeid
+            if nodeid.startswith(COMPOSE):
+                return "compose"
+            return "runs" if nodeid.startswith(RUNS) else nodeid
 
     config.option.loadscopereorder = False  # units in the order `_order` gave, not the largest first
     return RunsTogether(config, log)
 
 
 def _order(item: pytest.Item) -> int:
-    """Where a test runs in the suite. SmolLM2 first: its warm starts are the longest thing a fresh machine computes,
-    and nothing else runs beside them on that worker. The Apache Kafka scenario last: by then the other worker has
-    finished the short tests and takes it."""
+    """Where a test runs in the suite, and so the order of the units (the first appearance of each). SmolLM2 first:
+    its warm starts are the longest thing a fresh machine computes, and nothing else runs beside them on that worker.
+    The compose tier second: the first unit of the other worker. The Apache Kafka scenario last: by then the other
+    worker has finished the short tests and takes it."""
     if _is_last_run(item.nodeid):
         return 4
     if item.nodeid.startswith(COMPOSE):
-        return 2
+        return 1
     if item.nodeid.startswith(RUNS):
-        return 0 if item.get_closest_marker("pretrained") else 1
+        return 0 if item.get_closest_marker("pretrained") else 2
     return 3
 
 

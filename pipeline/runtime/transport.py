@@ -13,6 +13,7 @@ Two ways to consume:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -151,11 +152,30 @@ class GroupWatch:
     which partitions of its topics no member holds (all of them while the group rebalances, and those the
     coordinator gave this member but it never took up); if any, it closes its consumer and joins again with a new one
     (`new_consumer`). A member with nothing because the others hold every
-    partition (more members than partitions) is left alone; a rebalance longer than `stuck_after_s` costs one more."""
+    partition (more members than partitions) is left alone; a rebalance longer than `stuck_after_s` costs one more.
+
+    Each recreation leaves the group and joins it again, which starts the group's rebalance over. Two members left
+    with nothing by one rebalance that takes longer than `stuck_after_s` (a loaded machine) would otherwise restart
+    each other's rebalance for ever, each recreating its consumer every `stuck_after_s`; this was seen for 18 minutes.
+    So every recreation in a row without a partition held in between doubles the wait before the next one, up to
+    `longest_wait_s`, and each wait is stretched by a random part of up to `jitter` of itself, which puts two members
+    out of step (`recreate_after`)."""
 
     new_consumer: Callable[[], KafkaConsumer]
     unowned: Callable[[], set[Position]]
     stuck_after_s: float = 30.0
+    longest_wait_s: float = 240.0
+    jitter: float = 0.5
+
+
+def recreate_after(watch: GroupWatch, recreations: int, draw: float) -> float:
+    """Seconds a member holding nothing waits before it recreates its consumer, after `recreations` recreations in a
+    row with nothing held in between; `draw` in [0, 1) picks the random part. The first wait is `stuck_after_s`
+    exactly."""
+    if recreations == 0:
+        return watch.stuck_after_s
+    base = min(watch.stuck_after_s * 2 ** recreations, watch.longest_wait_s)
+    return base * (1 + watch.jitter * draw)
 
 
 class KafkaGroupInput:
@@ -192,6 +212,9 @@ class KafkaGroupInput:
         self._owned_lock = threading.Lock()
         self._empty_since: float | None = None
         self._last_check = 0.0
+        self._recreations_in_a_row = 0
+        self._wait_s = watch.stuck_after_s if watch is not None else 0.0
+        """How long this member may hold nothing before it recreates its consumer (`recreate_after`)."""
         self._subscribe(consumer)
 
     def _subscribe(self, consumer: KafkaConsumer) -> None:
@@ -228,11 +251,13 @@ class KafkaGroupInput:
             holding = bool(self._owned)
         if holding:
             self._empty_since = None
+            self._recreations_in_a_row = 0
+            self._wait_s = self.watch.stuck_after_s
             return
         if self._empty_since is None:
             self._empty_since = now
             return
-        if now - self._empty_since < self.watch.stuck_after_s or now - self._last_check < self.watch.stuck_after_s:
+        if now - self._empty_since < self._wait_s or now - self._last_check < self.watch.stuck_after_s:
             return
         self._last_check = now
         try:
@@ -251,7 +276,10 @@ class KafkaGroupInput:
         stuck.close(autocommit=False, timeout_ms=5000)
         self._subscribe(self.consumer)
         self.recreated += 1
+        self._recreations_in_a_row += 1
+        self._wait_s = recreate_after(self.watch, self._recreations_in_a_row, random.random())
         self._empty_since = now
+        log.info("the next recreation, if this member still holds nothing, comes after %.0f s", self._wait_s)
 
     def owns(self, position: Position) -> bool:
         with self._owned_lock:
