@@ -78,6 +78,9 @@ from schemas.base import Event, snake_case
 from schemas.topics import EVENT_TYPES, EXPERIENCE_OPS_TOPIC
 
 ALLOWED_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+CATALOGUE_WORDS = ("show", "describe", "information_schema", "duckdb_views", "duckdb_tables", "duckdb_columns")
+"""Queries that list the views: the experience views are made (the bank replayed) before them, so they list those
+too (`SHOW TABLES`)."""
 
 _ARROW_TO_SQL = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT"}
 _ENVELOPE_COLUMNS = (
@@ -423,6 +426,20 @@ class Audit:
         """`events` and the per-kind views (the others are `RUN_VIEWS` and `EXPERIENCE_VIEWS`)."""
         return ["events", *sorted(snake_case(kind) for kind in EVENT_TYPES)]
 
+    def columns(self) -> dict[str, list[tuple[str, str]]]:
+        """Every view, `events` first, then the run views, the experience views and the per-kind views, with its
+        columns as (name, SQL type)."""
+        self._experience_views()
+        names = ["events", *RUN_VIEWS, *EXPERIENCE_VIEWS, *self.view_names()[1:]]
+        return {name: [(str(column), str(kind)) for column, kind, *_ in
+                       self.connection.execute(f"DESCRIBE {_quote(name)}").fetchall()] for name in names}
+
+    def _experience_views(self) -> None:
+        if not self._experience_views_ready:
+            # The replay costs ~1 s per 10,000 ops: paid once, and only by queries that read these views.
+            self._create_experience_views()
+            self._experience_views_ready = True
+
     def query(self, sql: str, parameters: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only statement (with `?` placeholders bound to `parameters`); returns (column names, rows)."""
         try:
@@ -433,10 +450,9 @@ class Audit:
             raise AuditQueryError(f"expected exactly one statement, got {len(statements)}")
         if statements[0].type not in ALLOWED_STATEMENTS:
             raise AuditQueryError(f"only SELECT / EXPLAIN statements are allowed (got {statements[0].type.name})")
-        if not self._experience_views_ready and any(name in sql for name in (*EXPERIENCE_VIEWS, "replayed_bank")):
-            # The replay costs ~1 s per 10,000 ops: paid once, and only by queries that read these views.
-            self._create_experience_views()
-            self._experience_views_ready = True
+        lowered = sql.lower()
+        if any(name in lowered for name in (*EXPERIENCE_VIEWS, "replayed_bank", *CATALOGUE_WORDS)):
+            self._experience_views()
         try:
             cursor = self.connection.execute(sql, list(parameters))
             rows = cursor.fetchall()
@@ -497,3 +513,12 @@ class Audit:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def view_columns() -> dict[str, list[tuple[str, str]]]:
+    """Every view an audit has, with its columns (`Audit.columns` over an empty archive): what `crl audit sql --help`
+    lists."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="crl-views-") as empty, Audit(Path(empty)) as audit:
+        return audit.columns()

@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, RowMapping, Table, func, select, update
+from sqlalchemy import Connection, Engine, RowMapping, Table, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from infra.db import (
@@ -318,6 +318,14 @@ class BankStore:
             query = query.where(experiences.c.task_family == task_family)
         with self.engine.connect() as connection:
             return [self._decode_experience(row) for row in connection.execute(query).mappings()]
+
+    def successes(self) -> dict[str, int]:
+        """For every experience served at least once, how many of the episodes it guided succeeded."""
+        columns = experience_served.c
+        query = (select(columns.experience_id, func.sum(case((columns.success, 1), else_=0)))
+                 .group_by(columns.experience_id))
+        with self.engine.connect() as connection:
+            return {experience_id: int(wins) for experience_id, wins in connection.execute(query)}
 
     def versions(self, experience_id: str) -> list[dict[str, Any]]:
         """Every stored version of one experience, oldest first, with the op that wrote it; [] for an unknown id."""

@@ -2,67 +2,69 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import sys
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from typer.core import TyperCommand
 
-from pipeline.cli.common import (
-    console,
-    fail,
-)
+from pipeline.cli.common import console, fail
+from pipeline.cli.listing import Format, FormatOption, print_rows, resolve_id, run_directory
 
 audit_app = typer.Typer(help="Read-only DuckDB over a run's Parquet archive.", no_args_is_help=True)
-
-
-def _print_rows(columns: list[str], rows: list[tuple[Any, ...]], output: str) -> None:
-    if output == "csv":
-        writer = csv.writer(sys.stdout)
-        writer.writerow(columns)
-        writer.writerows(rows)
-    elif output == "json":
-        for row in rows:
-            sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
-    else:
-        table = Table(*columns)
-        for row in rows:
-            table.add_row(*("" if value is None else str(value) for value in row))
-        console.print(table)
-        console.print(f"{len(rows)} rows")
 
 
 def _open_audit(run_dir: Path) -> Any:
     from pipeline.audit.views import Audit
 
-    if not run_dir.is_dir():
-        raise fail(f"no run directory at {run_dir}", 2)
-    return Audit(run_dir)
-
-FormatOption = Annotated[str, typer.Option("--format", help="table, csv or json (one object per line).")]
+    return Audit(run_directory(run_dir))
 
 
-@audit_app.command("sql")
+class _ListsViews(TyperCommand):
+    """`crl audit sql --help`: after the usual help, every view and its columns (read from an empty archive)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer's own click types
+        super().format_help(ctx, formatter)
+        from pipeline.audit.views import view_columns
+
+        lines = ["", "Views and their columns:"]
+        for name, columns in view_columns().items():
+            lines.append(f"  {name}: {', '.join(column for column, _ in columns)}")
+        typer.echo("\n".join(lines))
+
+
+KEYWORD_COLUMN = re.compile(r'(?<![".\w])offset(?![".\w])\s*(,|\bFROM\b|\bAS\b|=|<|>|\)|$)', re.IGNORECASE)
+"""`offset` used as a column without quotes: an SQL keyword, which DuckDB reads as the start of an OFFSET clause."""
+
+
+def _short_error(sql: str, message: str) -> str:
+    """DuckDB's message in one line, with what a person most often needs next."""
+    first = message.strip().splitlines()[0] if message.strip() else "the query failed"
+    if KEYWORD_COLUMN.search(sql):
+        return f'{first} (`offset` is an SQL keyword: quote the column, "offset")'
+    if "does not exist" in first or "not found" in first:
+        return f"{first} (SHOW TABLES lists the views; `crl audit sql --help` lists their columns)"
+    return first
+
+
+@audit_app.command("sql", cls=_ListsViews)
 def audit_sql(
     run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
-    sql: Annotated[str, typer.Argument(help="One SELECT over the views (`events`, `trajectory_completed`, ...).")],
-    output: FormatOption = "table",
+    sql: Annotated[str, typer.Argument(help="One SELECT over the views (listed below with their columns).")],
+    output: FormatOption = Format.table,
 ) -> None:
-    """Run one read-only SQL statement over the run's archive. Views: events, one per event kind, trajectories,
-    train_steps, policy_versions and the experience views."""
-    from pipeline.audit.views import EXPERIENCE_VIEWS, RUN_VIEWS, Audit
+    """Run one read-only SQL statement over the run's archive: SELECT, EXPLAIN, SHOW TABLES or DESCRIBE VIEW."""
     from pipeline.errors import AuditQueryError
 
     with _open_audit(run_dir) as audit:
         try:
             columns, rows = audit.query(sql)
         except AuditQueryError as exc:
-            views = [*Audit.view_names(), *RUN_VIEWS, *EXPERIENCE_VIEWS]
-            raise fail(f"{exc}\nviews: {', '.join(views)}") from exc
-    _print_rows(columns, rows, output)
+            raise fail(_short_error(sql, str(exc))) from exc
+    print_rows(columns, rows, output, footer=f"{len(rows)} rows")
 
 
 @audit_app.command("events")
@@ -70,12 +72,12 @@ def audit_events(
     run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
     kind: Annotated[str | None, typer.Option(help="Only this event kind, e.g. TrajectoryCompleted.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many rows.")] = 20,
-    output: FormatOption = "table",
+    output: FormatOption = Format.table,
 ) -> None:
     """Print archived events in time order (envelope, coordinates, start of the payload)."""
     with _open_audit(run_dir) as audit:
         columns, rows = audit.recent_events(kind, limit)
-    _print_rows(columns, rows, output)
+    print_rows(columns, rows, output, footer=f"{len(rows)} rows")
 
 
 @audit_app.command("experience", help=(
@@ -86,7 +88,8 @@ def audit_events(
 ))
 def audit_experience(
     run_dir: Annotated[Path, typer.Argument(help="Run directory with an archive/ folder.")],
-    experience_id: Annotated[str, typer.Argument(help="Experience id, e.g. exp-1.")],
+    experience_id: Annotated[str, typer.Argument(
+        help="Experience id as `crl bank show` prints it: whole, or a unique beginning of it.")],
     episodes: Annotated[int, typer.Option(help="List at most this many of the episodes it guided (the latest).")]
     = 20,
 ) -> None:
@@ -94,12 +97,13 @@ def audit_experience(
     from rich.markup import escape
 
     with _open_audit(run_dir) as audit:
-        record = audit.experience_record(experience_id)
         log_id = audit.op_log_id
-    if record is None:
         if log_id is None:
             raise fail(f"no experience {experience_id}: the archive of {run_dir} holds no experience ops")
-        raise fail(f"no experience {experience_id} in the archive of {run_dir} (op log {log_id})")
+        _, known = audit.query("SELECT experience_id FROM experiences")
+        experience_id = resolve_id(experience_id, (row[0] for row in known), "experience")
+        record = audit.experience_record(experience_id)
+    assert record is not None
 
     def say(text: str) -> None:
         # Experience texts are free text: no markup, no wrapping inside them.
@@ -161,8 +165,8 @@ def audit_fingerprint(
     from pipeline.audit.fingerprint import run_fingerprint
 
     for path in (run_dir, other):
-        if path is not None and not path.is_dir():
-            raise fail(f"no run directory at {path}", 2)
+        if path is not None:
+            run_directory(path)
     mine = run_fingerprint(run_dir)
     if other is None:
         for name, digest in mine.parts().items():

@@ -25,10 +25,12 @@ from pipeline.settings import Settings
 
 console = Console()
 
-errors = Console(stderr=True)
+errors = Console(stderr=True, soft_wrap=True)
+"""Errors are one line each, however narrow the terminal or pipe: never wrapped."""
 
 RunDirOption = Annotated[
-    Path | None, typer.Option("--run-dir", help="Run directory (default: CRL_RUN_DIR or runs/default).")
+    Path | None, typer.Option("--run-dir", help="Run directory; its broker file says where the run's broker is "
+                              "(default: CRL_RUN_DIR, else run_dir of the --config file, else runs/default).")
 ]
 
 
@@ -188,11 +190,17 @@ def with_broker(settings: Settings, broker: BrokerChoice | None, brokers: int | 
 
 
 def bank_store(run_dir: Path) -> Any:
-    from infra.db import database_url, make_engine, migrate
+    """The bank of the run at `run_dir`, which must exist: a command that reads a bank never creates one. (An
+    existing database of an older schema is migrated, as every worker does on start.)"""
+    from infra.db import SQLITE_FILE_NAME, database_url, make_engine, migrate
     from pipeline.bank.store import BankStore
+    from pipeline.cli.listing import run_directory
 
-    if not run_dir.is_dir():
-        raise fail(f"no run directory at {run_dir}", 2)
-    engine = make_engine(database_url(current_settings(run_dir).db, run_dir))
+    run_directory(run_dir)
+    settings = current_settings(run_dir).db
+    if settings.url is None and not (run_dir / SQLITE_FILE_NAME).is_file():
+        raise fail(f"{run_dir} has no bank database ({SQLITE_FILE_NAME}): it ran against another database (set "
+                   "CRL_DB__URL) or never started its bank", 2)
+    engine = make_engine(database_url(settings, run_dir))
     migrate(engine)
     return BankStore(engine)

@@ -11,17 +11,19 @@ from pipeline.cli.common import (
     console,
     current_settings,
 )
+from pipeline.cli.listing import Format, FormatOption, print_rows
 
 envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 
 
 @envs_app.command("list")
-def envs_list() -> None:
-    """Every env id with its task family, turn limit, what it needs and whether it runs on this machine."""
+def envs_list(output: FormatOption = Format.table) -> None:
+    """Every env id with its task family, turn limit, what it needs and whether it runs on this machine (columns:
+    env id, task family, max turns, needs, runs here)."""
     from pipeline.envs.jvm import ENGINES, engine_requirements
     from pipeline.envs.registry import ENV_SPECS
 
-    table = Table("env id", "task family", "max turns", "needs", "runs here")
+    rows = []
     missing = {name: engine_requirements(name) for name in ENGINES}
     for spec in ENV_SPECS.values():
         if spec.engine is not None:
@@ -31,8 +33,8 @@ def envs_list() -> None:
             needs = _NEEDS.get(spec.task_family) or \
                 ("nle, minihack" if spec.task_family.startswith("minihack") else "nothing more")
             here = "yes" if spec.runs_here else "no: see docs/environments.md"
-        table.add_row(spec.env_id, spec.task_family, str(spec.max_turns), needs, here)
-    console.print(table)
+        rows.append((spec.env_id, spec.task_family, spec.max_turns, needs, here))
+    print_rows(("env id", "task family", "max turns", "needs", "runs here"), rows, output)
 
 
 _NEEDS = {

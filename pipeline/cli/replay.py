@@ -16,6 +16,7 @@ from pipeline.cli.common import (
     fail,
     kafka_of,
 )
+from pipeline.cli.listing import run_directory
 from pipeline.errors import ConfigError, HashMismatchError
 from pipeline.rl.settings import DEFAULT_REPLAY_RANKS
 
@@ -69,8 +70,8 @@ def train_command(
     taken by N data-parallel ranks is replayed on N local gloo ranks."""
     from pipeline.audit.training_replay import StepCheck, replay_training
 
-    if not run_dir.is_dir():
-        raise fail(f"no run directory at {run_dir}", 2)
+    run_directory(run_dir)
+    compared = 0
     for chosen in [role.value] if role is not None else ["actor", "extractor"]:
         table = Table("role", "step", "version", "ranks", "recorded", "replay", "match")
 
@@ -80,6 +81,7 @@ def train_command(
 
         with console.status(f"replaying {chosen} steps"):
             report = replay_training(run_dir, chosen, on_step=row, max_ranks=max_ranks)  # type: ignore[arg-type]
+        compared += len(report.checks)
         if report.checks:
             console.print(table)
         sizes = " and ".join(str(size) for size in report.world_sizes)
@@ -93,3 +95,6 @@ def train_command(
                               f"{report.unavailable}")
         else:
             raise HashMismatchError(f"{chosen}: {report.problem}")
+    if not compared:
+        raise fail(f"compared nothing: the archive of {run_dir} records no training step"
+                   + (f" of the {role.value}" if role is not None else ""), 1)

@@ -7,10 +7,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import (
-    console,
-    fail,
-)
+from pipeline.cli.common import console, fail
+from pipeline.cli.listing import run_directory
 
 
 def report(
@@ -25,8 +23,7 @@ def report(
     from pipeline.audit.report import summary_line, write_report
 
     for run_dir in run_dirs:
-        if not run_dir.is_dir():
-            raise fail(f"no run directory at {run_dir}", 2)
+        run_directory(run_dir)
     if out is None and len(run_dirs) > 1:
         raise fail(f"{len(run_dirs)} runs need an output directory: pass --out DIR", 2)
     with console.status(f"reading {len(run_dirs)} run(s) and drawing"):

@@ -12,7 +12,6 @@ import typer
 from pipeline.cli.common import (
     BrokerOption,
     BrokersOption,
-    RunDirOption,
     SecurityOption,
     State,
     configure_logging,
@@ -36,7 +35,9 @@ def run(
     resume: Annotated[Path | None, typer.Option(
         "--resume", help="Continue the run in this run directory (stopped, failed or crashed), with its settings.",
         metavar="RUN_DIR")] = None,
-    run_dir: RunDirOption = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", help="An empty or new directory for the run (default: CRL_RUN_DIR, else "
+        "runs/CONFIG-NAME-YYYYMMDD-HHMMSS).")] = None,
     steps: Annotated[int | None, typer.Option(help="Override scheduler.steps (e.g. 3 for a smoke run).")] = None,
     arm: Annotated[ArmChoice | None, typer.Option(help="Override scheduler.arm (paper baselines).")] = None,
     report: Annotated[bool, typer.Option(help="Write the report (RUN_DIR/report) at the end.")] = True,

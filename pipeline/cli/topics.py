@@ -12,6 +12,7 @@ from pipeline.cli.common import (
     current_settings,
     kafka_of,
 )
+from pipeline.cli.listing import Format, FormatOption, print_rows
 
 topics_app = typer.Typer(help="Create and inspect the registry's Kafka topics.", no_args_is_help=True)
 
@@ -29,16 +30,15 @@ def topics_create(run_dir: RunDirOption = None) -> None:
 
 
 @topics_app.command("list")
-def topics_list(run_dir: RunDirOption = None) -> None:
-    """List the topics on the broker, marking the registry's."""
+def topics_list(run_dir: RunDirOption = None, output: FormatOption = Format.table) -> None:
+    """List the topics on the broker, marking the registry's (columns: topic, partitions, kind)."""
     from infra.admin import existing_partition_counts
     from schemas.topics import TOPICS_BY_NAME
 
     with broker_admin(run_dir) as admin:
         counts = existing_partition_counts(admin)
-    for name in sorted(counts):
-        marker = "registry" if name in TOPICS_BY_NAME else "other"
-        console.print(f"{name:24} {counts[name]:3} partitions  {marker}")
+    print_rows(("topic", "partitions", "kind"), ((name, counts[name], "registry" if name in TOPICS_BY_NAME
+                                                  else "other") for name in sorted(counts)), output)
 
 
 @topics_app.command("describe")

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import State, console, fail
+from pipeline.cli.common import State, console
+from pipeline.cli.listing import run_directory
 
 
 def track(
@@ -23,8 +24,7 @@ def track(
     What a ledger under OUT/tracking/ says was written already is not written again."""
     from pipeline.audit.track import track_archive
 
-    if not run_dir.is_dir():
-        raise fail(f"no run directory at {run_dir}", 2)
+    run_directory(run_dir)
     assert State.settings is not None
     settings = State.settings.tracker
     backends = tuple(backend) if backend else settings.backends

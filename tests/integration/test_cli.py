@@ -218,6 +218,7 @@ def test_cli_errors_become_exit_codes_with_reasons(tmp_path):
     invalid = crl("doctor", env={"CRL_MAX_PAYLOAD_BYTES": "-1", "CRL_KAFKA__ACKS": "some"})
     assert invalid.returncode == 2
     assert "CRL_MAX_PAYLOAD_BYTES" in invalid.stderr and "CRL_KAFKA__ACKS" in invalid.stderr
+    (tmp_path / "archive").mkdir()
     write = crl("audit", "sql", str(tmp_path), "DELETE FROM events")
     assert write.returncode == 1 and "only SELECT / EXPLAIN" in write.stderr
     typo = tmp_path / "no-such-run"

@@ -154,11 +154,14 @@ def test_run_views_do_not_replay_the_bank(run_dir):
         assert not audit._experience_views_ready
 
 
-def test_audit_sql_errors_list_the_run_views(run_dir):
+def test_audit_sql_errors_are_one_line_that_says_where_the_views_are_listed(run_dir):
     result = CliRunner().invoke(app, ["audit", "sql", str(run_dir), "SELECT * FROM no_such_view"])
     assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert "no_such_view" in result.output and "SHOW TABLES lists the views" in result.output
+    listed = CliRunner().invoke(app, ["audit", "sql", str(run_dir), "SHOW TABLES", "--format", "csv"])
     for view in RUN_VIEWS:
-        assert view in result.output
+        assert view in listed.output.splitlines()
     ok = CliRunner().invoke(app, ["audit", "sql", str(run_dir), "SELECT role, version, loss FROM policy_versions",
                                   "--format", "csv"])
     assert ok.exit_code == 0, ok.output
