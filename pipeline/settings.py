@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -113,25 +114,30 @@ class Settings(BaseSettings):
         sources = [init_settings, env_settings]
         # `Settings(config=path)` names the file directly; else CRL_CONFIG (this is the settings edge).
         assert isinstance(init_settings, InitSettingsSource)  # pydantic-settings passes the arguments' source here
-        config_file = init_settings.init_kwargs.get("config") or os.environ.get("CRL_CONFIG")
+        config_file = init_settings.init_kwargs.get("config")
+        named_by = None if config_file else "CRL_CONFIG"
+        config_file = config_file or os.environ.get("CRL_CONFIG")
         if config_file:
-            sources.append(RunConfigSource(settings_cls, Path(config_file)))
+            sources.append(RunConfigSource(settings_cls, Path(config_file), named_by))
         return (*sources, dotenv_settings, file_secret_settings)
 
     @model_validator(mode="after")
     def _claim_checks_below_the_cap(self) -> Settings:
         if self.claim_check_bytes >= self.max_payload_bytes:
-            raise ValueError(f"claim_check_bytes ({self.claim_check_bytes}) must be below max_payload_bytes "
+            raise ValueError(f"claim_check_bytes: {self.claim_check_bytes} must be below max_payload_bytes "
                              f"({self.max_payload_bytes}): an event between the two would be dead-lettered")
         return self
 
     @model_validator(mode="after")
     def _known_envs(self) -> Settings:
         from pipeline.envs.registry import ENV_SPECS
+        from pipeline.settings_errors import did_you_mean
 
-        unknown = [task.env_id for task in self.envs.tasks if task.env_id not in ENV_SPECS]
+        unknown = [f"envs.tasks[{n}].env_id: unknown env id {task.env_id!r} (`crl envs list` lists them)"
+                   f"{did_you_mean(task.env_id, sorted(ENV_SPECS))}"
+                   for n, task in enumerate(self.envs.tasks) if task.env_id not in ENV_SPECS]
         if unknown:
-            raise ValueError(f"unknown env ids in envs.tasks: {unknown}; valid values: {sorted(ENV_SPECS)}")
+            raise ValueError("\n".join(unknown))
         return self
 
     @model_validator(mode="after")
@@ -139,8 +145,8 @@ class Settings(BaseSettings):
         for role, generation, trainer in (("rollout", self.rollout.generation, self.actor_trainer),
                                           ("extractor", self.extractor.generation, self.extractor_trainer)):
             if generation.backend == "vllm" and trainer.model.lora.rank > 0:
-                raise ValueError(f"{role}.generation.backend vllm serves full checkpoints only, and the trainer of "
-                                 "that role trains a LoRA adapter (model.lora.rank > 0): use the transformers "
+                raise ValueError(f"{role}.generation.backend: vllm serves full checkpoints only, and the trainer "
+                                 "of that role trains a LoRA adapter (model.lora.rank > 0): use the transformers "
                                  "backend, or lora.rank 0")
         return self
 
@@ -153,7 +159,7 @@ class Settings(BaseSettings):
                  "launch.extractor_workers": (self.launch.extractor_workers, 1)}
         wrong = [f"{name} is {value}, needs {needed}" for name, (value, needed) in needs.items() if value != needed]
         if wrong:
-            raise ValueError("scheduler.deterministic runs in lock step: " + "; ".join(wrong)
+            raise ValueError("scheduler.deterministic: a deterministic run goes in lock step, but " + "; ".join(wrong)
                              + " (docs/determinism.md)")
         return self
 
@@ -192,15 +198,42 @@ class RunConfigSource(YamlConfigSettingsSource):
     """A run config file: YAML with the structure of `Settings`. A missing file or an unknown top-level key is an
     error (nested models forbid unknown keys themselves), so a typo never silently falls back to a default."""
 
-    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], path: Path, named_by: str | None = None) -> None:
+        from pipeline.settings_errors import did_you_mean
+
         if not path.is_file():
-            raise ConfigError(f"run config {path} does not exist (CRL_CONFIG)")
+            raise ConfigError(f"run config {path} does not exist" + (f" ({named_by})" if named_by else ""))
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+            raise ConfigError(f"{path} is not valid YAML{at}: {problem}") from exc
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{path}: a run config is a mapping of settings (`scheduler: {{steps: 3}}`), not a "
+                              f"{type(data).__name__}")
         super().__init__(settings_cls, yaml_file=path)
         unknown = sorted(set(self.yaml_data or {}) - set(settings_cls.model_fields))
         if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown}; valid keys: {sorted(settings_cls.model_fields)}")
+            known = list(settings_cls.model_fields)
+            raise ConfigError("\n".join(f"{key} in {path}: unknown key{did_you_mean(key, known)}" for key in unknown))
 
     def __call__(self) -> dict[str, Any]:
         data = super().__call__()
         data.setdefault("config", self.yaml_file_path)
         return data
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """`Settings(config=config, **overrides)`, its errors explained in the user's words: a `ConfigError` with one line
+    per error, naming the `CRL_*` variable or the key and file that set the bad value, with a "did you mean"
+    (`pipeline.settings_errors`)."""
+    from pipeline.settings_errors import explain
+
+    try:
+        return Settings(config=config, **overrides) if config is not None else Settings(**overrides)
+    except ValidationError as exc:
+        named = config if config is not None else (Path(os.environ["CRL_CONFIG"]) if os.environ.get("CRL_CONFIG")
+                                                   else None)
+        raise ConfigError("\n".join(explain(exc, named, Settings))) from exc

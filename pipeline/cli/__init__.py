@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from pipeline.cli import audit, bank, doctor, envs, models, replay, report, run, stack, topics, track, worker
 from pipeline.cli import config as config_commands
-from pipeline.cli.common import LogLevel, State, configure_logging, errors, with_exit_codes
+from pipeline.cli.common import LogLevel, State, configure_logging, errors, report_settings_error, with_exit_codes
 from pipeline.errors import ConfigError
-from pipeline.settings import Settings
+from pipeline.settings import load_settings
 
 app = typer.Typer(
     help="Complementary RL on an event log: run the stack, run workers, audit runs.",
@@ -67,15 +66,9 @@ def _load(
     if "CRL_TANSU_BIN" in os.environ:
         errors.print("[yellow]warning:[/yellow] CRL_TANSU_BIN is ignored; the setting is now CRL_BROKER__TANSU_BIN")
     try:
-        State.settings = Settings(config=config) if config is not None else Settings()
+        State.settings = load_settings(config)
     except ConfigError as exc:
-        errors.print(f"[red]invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    except ValidationError as exc:
-        errors.print("[red]invalid settings:[/red]")
-        for item in exc.errors(include_url=False):
-            field = "CRL_" + "__".join(str(part) for part in item["loc"]).upper()
-            errors.print(f"  {field}: {item['msg']}")
+        report_settings_error(exc)
         raise typer.Exit(2) from exc
 
 

@@ -85,17 +85,26 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
 1 for a failed run, check, replay or query. The one place errors become exit codes."""
 
 
+def report_settings_error(exc: ConfigError) -> None:
+    """A settings error, one line per problem (`pipeline.settings.load_settings` words them)."""
+    for line in str(exc).splitlines():
+        errors.print(f"[red]error:[/red] {escape(line)}", highlight=False)
+
+
 def _report(exc: BaseException) -> None:
     if isinstance(exc, ValidationError):
-        errors.print("[red]invalid settings:[/red]")
-        for item in exc.errors(include_url=False):
-            field = "CRL_" + "__".join(str(part) for part in item["loc"]).upper()
-            errors.print(f"  {field}: {item['msg']}")
+        from pipeline.settings_errors import explain
+
+        title = exc.title
+        root = Settings if title == "Settings" else None
+        for line in (explain(exc, None, root) if root is not None else
+                     [f"{title}: {' '.join(str(item['msg']).split())}" for item in exc.errors(include_url=False)]):
+            errors.print(f"[red]error:[/red] {escape(line)}", highlight=False)
     elif isinstance(exc, HashMismatchError):
         for line in str(exc).splitlines():
             errors.print(f"[red]mismatch:[/red] {escape(line)}", highlight=False)
     elif isinstance(exc, ConfigError):
-        errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        report_settings_error(exc)
     elif isinstance(exc, KafkaError):
         errors.print(f"[red]error:[/red] Kafka failed: {type(exc).__name__}: {escape(str(exc))} (is the broker "
                      "running? `crl doctor` checks)", highlight=False)

@@ -6,16 +6,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from pipeline.cli.common import (
     console,
     current_settings,
-    errors,
     fail,
+    report_settings_error,
 )
 from pipeline.errors import ConfigError
-from pipeline.settings import Settings
+from pipeline.settings import Settings, load_settings
 
 config_app = typer.Typer(help="Run configs: YAML files with the structure of the settings.", no_args_is_help=True)
 
@@ -52,14 +51,9 @@ def config_check(configs: Annotated[list[Path], typer.Argument(help="Run config 
 
 def _config_settings(path: Path) -> Settings:
     try:
-        return Settings(config=path)
+        return load_settings(path)
     except ConfigError as exc:
-        errors.print(f"[red]invalid[/red] {path}: {exc}")
-        raise typer.Exit(2) from exc
-    except ValidationError as exc:
-        errors.print(f"[red]invalid[/red] {path}:")
-        for item in exc.errors(include_url=False):
-            errors.print(f"  {'.'.join(str(part) for part in item['loc'])}: {item['msg']}")
+        report_settings_error(exc)
         raise typer.Exit(2) from exc
 
 
@@ -85,8 +79,10 @@ that names a setting wins:
 3. The defaults below.
 
 `crl config show` prints the resolved settings of a config (passwords masked); `crl config check FILE...` validates
-configs. A bad value is reported field by field (`CRL_MAX_PAYLOAD_BYTES: Input should be greater than 0`) with exit
-code 2. `crl run` writes the resolved settings to `RUN_DIR/config.yaml` and its workers read only that file.
+configs. Every mistake is reported in one line that names where it was written, the key and the file or the
+variable, with a guess for a misspelt name or choice (`actor_trainer.gruop_size in configs/x.yaml: unknown key; did
+you mean group_size?`, `CRL_SCHEDULER__ARM: 'grp' is not one of complementary, grpo, ...; did you mean grpo?`), and
+exit code 2. `crl run` writes the resolved settings to `RUN_DIR/config.yaml` and its workers read only that file.
 """
 
 

@@ -18,7 +18,7 @@ from pipeline.cli.common import (
     console,
     fail,
 )
-from pipeline.settings import Settings
+from pipeline.settings import Settings, load_settings
 
 
 class ArmChoice(StrEnum):
@@ -57,7 +57,7 @@ def run(
                        "--steps, --arm, --broker, --brokers, --security or --run-dir with it", 2)
         if not (resume / RUN_CONFIG).is_file():
             raise fail(f"{resume} holds no {RUN_CONFIG}: not a run directory that `crl run` made", 2)
-        _supervise(Settings(config=resume / RUN_CONFIG, run_dir=resume), report, resume=True)
+        _supervise(load_settings(resume / RUN_CONFIG, run_dir=resume), report, resume=True)
         return
     if config is None:
         raise fail("give a run config (e.g. configs/tiny-minihack-room.yaml), or --resume RUN_DIR", 2)
@@ -75,7 +75,7 @@ def run(
     # result from RUN_DIR/config.yaml (`RunSupervisor`).
     overrides["run_dir"] = run_dir or (Path(os.environ["CRL_RUN_DIR"]) if "CRL_RUN_DIR" in os.environ
                                        else default_run_dir(config))
-    settings = Settings(config=config, **overrides)
+    settings = load_settings(config, **overrides)
     check_run_dir(settings.run_dir)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     _supervise(settings, report, resume=False)

@@ -162,10 +162,10 @@ def test_run_config_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         Settings(config=tmp_path / "missing.yaml")
     (tmp_path / "typo.yaml").write_text("schedular: {steps: 3}\n")
-    with pytest.raises(ConfigError, match=r"unknown keys \['schedular'\]"):
+    with pytest.raises(ConfigError, match=r"schedular in .*typo.yaml: unknown key; did you mean scheduler\?"):
         Settings(config=tmp_path / "typo.yaml")
     (tmp_path / "env.yaml").write_text("envs: {tasks: [{env_id: Pong}]}\n")
-    with pytest.raises(ValidationError, match=r"unknown env ids in envs.tasks: \['Pong'\]"):
+    with pytest.raises(ValidationError, match=r"envs.tasks\[0\].env_id: unknown env id 'Pong'"):
         Settings(config=tmp_path / "env.yaml")
 
 
