@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import bank_store, console
-from pipeline.cli.listing import Format, FormatOption, print_rows, resolve_id, table_console
+from pipeline.cli.common import console
+from pipeline.cli.listing import Format, FormatOption, bank_store, print_rows, resolve_id, table_console
 
 bank_app = typer.Typer(help="Inspect a run's experience bank.", no_args_is_help=True)
 

@@ -196,20 +196,3 @@ def with_broker(settings: Settings, broker: BrokerChoice | None, brokers: int | 
     except ValidationError as exc:
         raise fail(str(exc.errors()[0]["msg"]).removeprefix("Value error, "), 2) from exc
     return settings.model_copy(update={"broker": chosen})
-
-
-def bank_store(run_dir: Path) -> Any:
-    """The bank of the run at `run_dir`, which must exist: a command that reads a bank never creates one. (An
-    existing database of an older schema is migrated, as every worker does on start.)"""
-    from infra.db import SQLITE_FILE_NAME, database_url, make_engine, migrate
-    from pipeline.bank.store import BankStore
-    from pipeline.cli.listing import run_directory
-
-    run_directory(run_dir)
-    settings = current_settings(run_dir).db
-    if settings.url is None and not (run_dir / SQLITE_FILE_NAME).is_file():
-        raise fail(f"{run_dir} has no bank database ({SQLITE_FILE_NAME}): it ran against another database (set "
-                   "CRL_DB__URL) or never started its bank", 2)
-    engine = make_engine(database_url(settings, run_dir))
-    migrate(engine)
-    return BankStore(engine)

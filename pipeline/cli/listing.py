@@ -5,6 +5,7 @@
 - `run_directory` is the check every command that reads a run makes first: a path without `archive/` is refused
   with one line and exit 2, and nothing is created.
 - `resolve_id` takes an id as the tools print it: whole, a unique beginning of it, or cut with an ellipsis.
+- `bank_store` opens the bank of a run, never creating one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.cli.common import console, fail
+from pipeline.cli.common import console, current_settings, fail
 
 
 class Format(StrEnum):
@@ -110,3 +111,19 @@ def resolve_id(given: str, known: Iterable[str], what: str) -> str:
         raise fail(f"{len(matches)} {what}s begin with {stem}: {shown}; give more of the id", 1)
     close = difflib.get_close_matches(given, ids, n=3, cutoff=0.6)
     raise fail(f"no {what} {given}" + (f"; did you mean {' or '.join(close)}?" if close else ""), 1)
+
+
+def bank_store(run_dir: Path) -> Any:
+    """The bank of the run at `run_dir`, which must exist: a command that reads a bank never creates one. (An
+    existing database of an older schema is migrated, as every worker does on start.)"""
+    from infra.db import SQLITE_FILE_NAME, database_url, make_engine, migrate
+    from pipeline.bank.store import BankStore
+
+    run_directory(run_dir)
+    settings = current_settings(run_dir).db
+    if settings.url is None and not (run_dir / SQLITE_FILE_NAME).is_file():
+        raise fail(f"{run_dir} has no bank database ({SQLITE_FILE_NAME}): it ran against another database (set "
+                   "CRL_DB__URL) or never started its bank", 2)
+    engine = make_engine(database_url(settings, run_dir))
+    migrate(engine)
+    return BankStore(engine)

@@ -10,13 +10,12 @@ import typer
 from rich.table import Table
 
 from pipeline.cli.common import (
-    bank_store,
     console,
     current_settings,
     fail,
     kafka_of,
 )
-from pipeline.cli.listing import run_directory
+from pipeline.cli.listing import bank_store, run_directory
 from pipeline.errors import ConfigError, HashMismatchError
 from pipeline.rl.settings import DEFAULT_REPLAY_RANKS
 

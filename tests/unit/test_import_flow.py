@@ -187,6 +187,7 @@ PIPELINE_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"actor", "extractor"}),
     frozenset({"rl"}),
     frozenset({"tracking"}),
+    frozenset({"settings_errors"}),
     frozenset({"settings"}),
     frozenset({"audit", "provenance"}),
     frozenset({"run"}),
@@ -194,7 +195,7 @@ PIPELINE_LAYERS: tuple[frozenset[str], ...] = (
 )
 """Lowest first. A module of `pipeline/` may import its own package and the packages of lower layers, never a higher
 layer or another package of its own layer: runtime <- domain (envs, models <- bank <- actor, extractor <- rl) <-
-tracking <- settings (the sections of every package, composed) <- audit, provenance <- run <- cli
+tracking <- settings_errors <- settings (the sections of every package, composed) <- audit, provenance <- run <- cli
 (docs/architecture.md). `pipeline/X.py` at the top of the tree counts as package X."""
 
 
