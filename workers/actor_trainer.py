@@ -96,7 +96,7 @@ def actor_update(trainer: PolicyTrainer, settings: ActorTrainerSettings, closed:
     before = trainer.weight_hash
     result = trainer.step(samples)
     metrics = {
-        "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
+        **result.diagnostics(), "train/clipped_low": float(result.clipped_low),
         "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,
         "train/trained_tokens": float(result.trained_tokens), "train/sequences": float(result.sequences),
         "train/lr": settings.lr, "train/threads": float(settings.threads),

@@ -178,7 +178,7 @@ class ExtractorTrainer(TrainerWorker):
         before = self.trainer.weight_hash
         result = self.trainer.step(batch.samples)
         metrics = {
-            "train/clip_fraction": result.clip_fraction, "train/clipped_low": float(result.clipped_low),
+            **result.diagnostics(), "train/clipped_low": float(result.clipped_low),
             "train/clipped_high": float(result.clipped_high), "train/grad_norm": result.grad_norm,
             "train/trained_tokens": float(result.trained_tokens), "train/sequences": float(result.sequences),
             "train/lr": self.settings.lr, "train/threads": float(self.settings.threads),

@@ -117,6 +117,17 @@ class Generation:
     """`stop`: eos, a stop token or a stop string ended the row; `length`: `max_new_tokens` did."""
 
 
+@dataclass(frozen=True)
+class Scored:
+    """Responses scored by a policy (`PolicyModel.score`)."""
+
+    logprobs: list[torch.Tensor]
+    """Per row, `(len(response),)`: the log-prob of each response token (with gradient when the model trains)."""
+    entropies: list[torch.Tensor] | None
+    """Per row, `(len(response),)`: the entropy in nats of the policy's next-token distribution at each response
+    token, at the scoring temperature, detached; None where the backend does not compute it."""
+
+
 class PolicyModel(ABC):
     """A causal LM with its tokenizer that samples with recorded log-probs and re-scores responses."""
 
@@ -178,6 +189,12 @@ class PolicyModel(ABC):
                        temperature: float = 1.0) -> list[torch.Tensor]:
         """Per row a `(len(response_ids[i]),)` float32 tensor: `log p(response[t] | prompt, response[:t])` under
         `softmax(logits / temperature)` (temperature 0 counts as 1)."""
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+              temperature: float = 1.0) -> Scored:
+        """`token_logprobs`, and where the backend has the whole distribution at hand, the entropy of the policy at
+        each response token (detached: a diagnostic, never part of a loss). A backend without it returns None."""
+        return Scored(self.token_logprobs(prompt_ids, response_ids, temperature), None)
 
 
 def limit_threads(threads: int) -> None:

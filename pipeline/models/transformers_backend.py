@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pipeline.errors import ConfigError, InvalidArgumentError
-from pipeline.models.base import Generation, PolicyModel, SamplingParams, check_seeds
+from pipeline.models.base import Generation, PolicyModel, SamplingParams, Scored, check_seeds
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -409,28 +409,40 @@ class TransformersPolicy(PolicyModel):
 
     def token_logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                        temperature: float = 1.0) -> list[torch.Tensor]:
+        return self._score(prompt_ids, response_ids, temperature, entropy=False).logprobs
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+              temperature: float = 1.0) -> Scored:
+        return self._score(prompt_ids, response_ids, temperature, entropy=True)
+
+    def _score(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+               temperature: float, entropy: bool) -> Scored:
         if len(prompt_ids) != len(response_ids):
             raise InvalidArgumentError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         if temperature < 0:
             raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
         scale = temperature if temperature > 0 else 1.0  # greedy samples record log-probs at temperature 1
-        result: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         for start in range(0, len(prompt_ids), self.micro_batch_size):
             prompts = [[int(t) for t in p] for p in prompt_ids[start : start + self.micro_batch_size]]
             responses = [[int(t) for t in r] for r in response_ids[start : start + self.micro_batch_size]]
-            result += self._score_micro_batch(prompts, responses, scale)
-        return result
+            rows, row_entropies = self._score_micro_batch(prompts, responses, scale, entropy)
+            logprobs += rows
+            entropies += row_entropies
+        return Scored(logprobs, entropies if entropy else None)
 
     def _score_micro_batch(
-        self, prompts: list[list[int]], responses: list[list[int]], temperature: float
-    ) -> list[torch.Tensor]:
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float, entropy: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if any(not p for p in prompts):
             raise InvalidArgumentError("a prompt must have at least one token to condition on")
         batch = len(prompts)
         prompt_width = max(len(p) for p in prompts)
         response_width = max(len(r) for r in responses)
         if response_width == 0:
-            return [torch.zeros(0, dtype=torch.float32, device=self.device) for _ in range(batch)]
+            empty = [torch.zeros(0, dtype=torch.float32, device=self.device) for _ in range(batch)]
+            return empty, list(empty) if entropy else []
         input_ids = torch.full((batch, prompt_width + response_width), self.pad_token_id, dtype=torch.long)  # (B, L)
         attention_mask = torch.zeros_like(input_ids)  # (B, L)
         for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
@@ -444,5 +456,13 @@ class TransformersPolicy(PolicyModel):
         logits = out.logits[:, :-1, :].float() / temperature  # (B, R, V)
         targets = input_ids[:, prompt_width:]  # (B, R)
         # gather - logsumexp instead of log_softmax: no second (B, R, V) tensor.
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B, R)
-        return [logp[i, : len(response)] for i, response in enumerate(responses)]
+        normaliser = torch.logsumexp(logits, dim=-1)  # (B, R)
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - normaliser  # (B, R)
+        rows = [logp[i, : len(response)] for i, response in enumerate(responses)]
+        if not entropy:
+            return rows, []
+        with torch.no_grad():
+            # H = logsumexp(z) - sum softmax(z) * z, over the vocabulary, at every response token.
+            detached = logits.detach()
+            spread = normaliser.detach() - (torch.softmax(detached, dim=-1) * detached).sum(-1)  # (B, R)
+        return rows, [spread[i, : len(response)] for i, response in enumerate(responses)]

@@ -88,6 +88,19 @@ def cispo_token_loss(
     return loss, low, high
 
 
+def approx_kl_sum(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """The sum over response tokens of `k3 = (r - 1) - log r`, `r = pi(token) / mu(token)`: per token an unbiased,
+    never negative estimate of KL(mu || pi) from tokens sampled by the behaviour policy mu (Schulman, "Approximating
+    KL Divergence", 2020). Divided by the tokens, it is how far the trained policy has moved from the one that
+    sampled the batch.
+
+    logp, behaviour_logp, mask # (B, T)
+    """
+    with torch.no_grad():
+        log_ratio = (logp.detach() - behaviour_logp) * mask  # (B, T), 0 on padding: k3(1) = 0
+        return float(((torch.exp(log_ratio) - 1.0 - log_ratio) * mask).sum())
+
+
 def token_weights(aggregation: str, lengths: Sequence[int], sequences: Sequence[int] | None = None,
                   norm_tokens: int | None = None) -> list[float]:
     """The per-token weight of each sample in the batch loss `sum_i w_i * sum_t loss_it`.

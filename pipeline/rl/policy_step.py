@@ -26,7 +26,7 @@ import torch
 
 from pipeline.errors import InvalidArgumentError
 from pipeline.models.base import PolicyModel
-from pipeline.rl.losses import policy_loss, token_weights
+from pipeline.rl.losses import approx_kl_sum, policy_loss, token_weights
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,28 @@ class StepResult:
     clipped_low: int
     clipped_high: int
     grad_norm: float
+    samples: int = 0
+    """Samples with tokens (turns for the actor, generations for the extractor)."""
+    kl_sum: float = 0.0
+    """`approx_kl_sum` over the trained tokens."""
+    entropy_sum: float | None = None
+    """The policy's entropy summed over the trained tokens (None: the backend does not give it)."""
 
     @property
     def clip_fraction(self) -> float:
         return (self.clipped_low + self.clipped_high) / self.trained_tokens if self.trained_tokens else 0.0
+
+    def diagnostics(self) -> dict[str, float]:
+        """What RL practitioners read beside the loss, as `train/` metrics of the step: the policy's mean entropy and
+        the approximate KL to the behaviour policy per trained token (taken before the update, on the gradient's own
+        forward pass), the clip fraction, and the mean response length in tokens."""
+        out = {"train/clip_fraction": self.clip_fraction,
+               "train/response_length": self.tokens / self.samples if self.samples else 0.0}
+        if self.trained_tokens:
+            out["train/approx_kl"] = self.kl_sum / self.trained_tokens
+            if self.entropy_sum is not None:
+                out["train/entropy"] = self.entropy_sum / self.trained_tokens
+        return out
 
 
 class GradientGroup(Protocol):
@@ -119,32 +137,51 @@ def weighted_samples(samples: Sequence[Sample], aggregation: str, norm_tokens: i
     return [(s, w) for s, w in zip(samples, weight_of, strict=True) if s.advantage != 0.0]
 
 
+@dataclass
+class Accumulated:
+    """What `accumulate_gradients` adds up besides the gradients."""
+
+    loss: float = 0.0
+    clipped_low: int = 0
+    clipped_high: int = 0
+    kl_sum: float = 0.0
+    entropy_sum: float | None = 0.0
+    """None once a micro-batch came back without entropies."""
+
+
 def accumulate_gradients(policy: PolicyModel, trained: Sequence[tuple[Sample, float]], *, variant: str,
                          aggregation: str, eps_low: float, eps_high: float, temperature: float,
-                         micro_batch_size: int) -> tuple[float, int, int]:
+                         micro_batch_size: int) -> Accumulated:
     """Backward the weighted loss of `trained` in micro-batches, adding to the gradients already there; returns the
-    loss and the clipped-low / clipped-high token counts."""
-    loss_sum, clipped_low, clipped_high = 0.0, 0, 0
+    loss, the clipped-low / clipped-high token counts and the diagnostics' sums."""
+    total = Accumulated()
     for start in range(0, len(trained), micro_batch_size):
         chunk = [s for s, _weight in trained[start : start + micro_batch_size]]
         weights = torch.tensor([w for _s, w in trained[start : start + micro_batch_size]], dtype=torch.float32)
-        logps = policy.token_logprobs([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], temperature)
+        scored = policy.score([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], temperature)
+        logps = scored.logprobs
         width = max(len(s.response_ids) for s in chunk)
         logp = torch.zeros(len(chunk), width)  # (b, T), padding 0 keeps gradients finite
         mask = torch.zeros(len(chunk), width)  # (b, T)
         for i, row in enumerate(logps):
             logp = logp.index_put((torch.tensor([i]), torch.arange(len(row))), row)
             mask[i, : len(row)] = 1.0
+        behaviour = _padded([s.behaviour_logprobs for s in chunk], width)
         out = policy_loss(
-            variant, logp, _padded([s.behaviour_logprobs for s in chunk], width),
+            variant, logp, behaviour,
             torch.tensor([s.advantage for s in chunk], dtype=torch.float32), mask,
             eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, weights=weights,
         )
         out.loss.backward()
-        loss_sum += out.loss.item()
-        clipped_low += out.clipped_low
-        clipped_high += out.clipped_high
-    return loss_sum, clipped_low, clipped_high
+        total.loss += out.loss.item()
+        total.clipped_low += out.clipped_low
+        total.clipped_high += out.clipped_high
+        total.kl_sum += approx_kl_sum(logp, behaviour, mask)
+        if scored.entropies is None or total.entropy_sum is None:
+            total.entropy_sum = None
+        else:
+            total.entropy_sum += float(sum(float(row.sum()) for row in scored.entropies))
+    return total
 
 
 def policy_step(
@@ -177,16 +214,20 @@ def policy_step(
                                                                            group.world_size)]
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, clipped_low, clipped_high = accumulate_gradients(
+    total = accumulate_gradients(
         policy, mine, variant=variant, aggregation=aggregation, eps_low=eps_low, eps_high=eps_high,
         temperature=temperature, micro_batch_size=micro_batch_size)
+    loss_sum, clipped_low, clipped_high = total.loss, total.clipped_low, total.clipped_high
+    kl_sum, entropy_sum = total.kl_sum, total.entropy_sum
     grad_norm = 0.0
     # Over what the optimiser updates: a LoRA adapter's norm is its own, whatever the frozen base holds.
     trainable = [p for param_group in optimizer.param_groups for p in param_group["params"]]
     if group is not None and trained:
         group.all_reduce_gradients(trainable)
-        loss_sum, low, high = group.all_reduce_sums([loss_sum, float(clipped_low), float(clipped_high)])
+        loss_sum, low, high, kl_sum, entropy = group.all_reduce_sums(
+            [loss_sum, float(clipped_low), float(clipped_high), kl_sum, entropy_sum or 0.0])
         clipped_low, clipped_high = round(low), round(high)
+        entropy_sum = entropy if entropy_sum is not None else None
     if trained:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
         optimizer.step()
@@ -194,4 +235,5 @@ def policy_step(
     model.eval()
     trained_tokens = sum(len(s.response_ids) for s, _weight in trained)
     return StepResult(loss=loss_sum, tokens=total_tokens, trained_tokens=trained_tokens, sequences=len(set(sequences)),
-                      clipped_low=clipped_low, clipped_high=clipped_high, grad_norm=grad_norm)
+                      clipped_low=clipped_low, clipped_high=clipped_high, grad_norm=grad_norm, samples=len(samples),
+                      kl_sum=kl_sum, entropy_sum=entropy_sum)

@@ -12,6 +12,7 @@ Every tag, its step axis and its source are listed in docs/tracking.md.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from collections import Counter
@@ -34,7 +35,8 @@ from schemas.training import TrainStepCompleted, WarmStartProgressed
 from schemas.trajectories import TrajectoryCompleted
 
 METRIC_ALIASES = {"clip_fraction": "clip_frac", "reward_mean": "reward"}
-"""Trainer metric names shown under the shorter names trackers' users know (PPO's `clip_frac`, `extractor/reward`)."""
+"""Trainer metric names shown under the shorter names trackers' users know (PPO's `clip_frac`,
+`train/extractor/reward`)."""
 
 _TRACKER = Producer(worker="tracker", instance="tracker")
 """Stands in for the scheduler when the tracker recomputes the ids of a step's assignments (ids do not depend on
@@ -61,12 +63,55 @@ class Text:
     wall_time: float
 
 
-Entry = Scalar | Text
+@dataclass(frozen=True)
+class Histogram:
+    tag: str
+    step: int
+    values: tuple[float, ...]
+    wall_time: float
+
+    def summary(self) -> tuple[float, float, float, float]:
+        """(count, sum, min, max): what every backend's reader gives back of a histogram."""
+        return (float(len(self.values)), float(sum(self.values)), float(min(self.values)), float(max(self.values)))
+
+
+Entry = Scalar | Text | Histogram
+
+_ENTRY_KINDS = {Scalar: "scalar", Text: "text", Histogram: "histogram"}
 
 
 def entry_key(entry: Entry) -> str:
     """What identifies an entry across restarts: its kind, tag and step (a tracker writes each one once)."""
-    return f"{'text' if isinstance(entry, Text) else 'scalar'}\t{entry.tag}\t{entry.step}"
+    return f"{_ENTRY_KINDS[type(entry)]}\t{entry.tag}\t{entry.step}"
+
+
+HPARAM_SECTIONS = ("scheduler", "envs", "actor_trainer", "extractor_trainer", "rollout", "extractor", "bank",
+                   "retrieval", "embedding")
+"""The sections of a run's settings that say what was run (not where: brokers, databases, paths, tracking)."""
+
+
+def hparams(config: dict[str, Any]) -> dict[str, str | float | bool]:
+    """A run's settings as flat hyperparameters for comparing runs (TensorBoard's HParams, MLflow's params): every
+    leaf of `HPARAM_SECTIONS` under its dotted name, lists as their JSON text, None as "none"."""
+    flat: dict[str, str | float | bool] = {}
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value):
+                walk(value[key], f"{name}.{key}")
+        elif isinstance(value, bool | str):
+            flat[name] = value
+        elif isinstance(value, int | float):
+            flat[name] = float(value)
+        elif value is None:
+            flat[name] = "none"
+        else:
+            flat[name] = json.dumps(value, sort_keys=True)
+
+    for section in HPARAM_SECTIONS:
+        if section in config:
+            walk(config[section], section)
+    return flat
 
 
 def _wall(event: Event) -> float:
@@ -141,6 +186,8 @@ class RunTracking:
         self.active = 0
         self.parse: dict[str, tuple[str, float]] = {}
         """Generation event id -> (parse status, when it was made) of its first copy."""
+        self.generations: dict[str, tuple[str, str]] = {}
+        """Generation event id -> (generation id, its text) of its first copy, until its step's entries are out."""
         self._distilled: dict[int, frozenset[str]] = {}
         """Scheduler step -> the generation ids distilling its train episodes, until all are read."""
         self._bank_cuts: dict[int, int] = {}
@@ -163,6 +210,7 @@ class RunTracking:
             return self._train_step(event)
         if isinstance(event, ExtractionGenerated):
             self.parse.setdefault(str(event.event_id), (event.parse_status, _wall(event)))
+            self.generations.setdefault(str(event.event_id), (event.generation_id, generation_text(event)))
             return self._parse_entries()
         if isinstance(event, ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired):
             self._op(event, offset)
@@ -349,15 +397,18 @@ class RunTracking:
                                 Scalar(f"train/{role}/tokens", step, float(event.tokens), wall)]
         for name, value in sorted(event.metrics.items()):
             namespace, _, metric = name.partition("/")
-            if namespace == "train":
+            if namespace in ("train", "extractor"):
+                # The extractor trainer's own scalars (its reward, outcomes) count its steps: under train/extractor/,
+                # apart from extractor/, whose parse shares count the loop's steps.
                 tag = f"train/{role}/{_metric_name(metric)}"
             elif namespace == "rollout" and role == "actor":
                 tag = f"train/actor/batch/{metric}"
-            elif namespace == "extractor":
-                tag = f"extractor/{_metric_name(metric)}"
             else:
                 tag = f"train/{role}/{name}"
             entries.append(Scalar(tag, step, float(value), wall))
+        for name, values in (("advantages", event.advantages), ("rewards", event.rewards)):
+            if values:
+                entries.append(Histogram(f"train/{role}/{name}", step, tuple(values), wall))
         return entries
 
     def _distilled_ids(self, episodes: Sequence[TrajectoryCompleted]) -> frozenset[str]:
@@ -387,7 +438,23 @@ class RunTracking:
                         Scalar("extractor/parse_error", step, errors, wall),
                         Scalar("extractor/no_op", step, sum(status == "no_op" for status in statuses) / len(statuses),
                                wall)]
+            shown = sorted((self.generations.pop(i) for i in ids), key=lambda generation: generation[0])
+            texts = [text for _, text in shown[: 2 * self.samples_per_step]]
+            entries.append(Text("extractor/generations", step, "\n\n---\n\n".join(texts), wall))
         return entries
+
+def generation_text(event: ExtractionGenerated) -> str:
+    """One extractor generation as a tracker shows it: the id, what it read, a digest of its prompt (the prompt is
+    the trajectory's text, shown with the rollout samples), the answer as written, the ops it produced and its
+    parse status."""
+    digest = hashlib.sha256(json.dumps(list(event.prompt_token_ids)).encode()).hexdigest()[:12]
+    status = event.parse_status + (f": {event.parse_error}" if event.parse_error else "")
+    read = ", ".join(event.source_trajectory_ids) or "-"
+    return (f"**{event.generation_id}** ({event.purpose}, extractor v{event.extractor_version}, {event.task_family})"
+            f"\n\nread: {read}; prompt sha256 {digest}, {len(event.prompt_token_ids)} tokens\n\n"
+            f"answer ({len(event.response_token_ids)} tokens):\n\n```\n{event.response_text}\n```\n\n"
+            f"ops: {', '.join(event.op_ids) or '-'}\n\nparse: {status}")
+
 
 def fold(events: Iterable[tuple[Event, int]], run_id: str | None = None, samples_per_step: int = 2) -> list[Entry]:
     """Every entry of a sequence of (event, offset)."""
@@ -399,5 +466,7 @@ def fold(events: Iterable[tuple[Event, int]], run_id: str | None = None, samples
 
 
 def as_table(entries: Iterable[Entry]) -> dict[str, Any]:
-    """Entries by `entry_key`, the value or text only (what two trackers of one run must agree on)."""
-    return {entry_key(e): (e.value if isinstance(e, Scalar) else e.text) for e in entries}
+    """Entries by `entry_key`, the value, text or histogram summary only (what two trackers of one run must agree
+    on)."""
+    return {entry_key(e): (e.value if isinstance(e, Scalar) else e.text if isinstance(e, Text) else e.summary())
+            for e in entries}

@@ -16,21 +16,27 @@ from typing import Any
 
 from pipeline.errors import InvalidArgumentError
 
-_SCALAR, _TEXT = "scalar", "text"
+_SCALAR, _TEXT, _HISTOGRAM = "scalar", "text", "histogram"
 
 
 def tensorboard_entries(directory: Path) -> dict[str, Any]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
     entries: dict[str, Any] = {}
     for tag in tags["scalars"]:
         for event in accumulator.Scalars(tag):
             entries[f"{_SCALAR}\t{tag}\t{event.step}"] = event.value
+    for tag in tags["histograms"]:
+        for event in accumulator.Histograms(tag):
+            value = event.histogram_value
+            entries[f"{_HISTOGRAM}\t{tag}\t{event.step}"] = (value.num, value.sum, value.min, value.max)
     for tag in tags["tensors"]:
+        if accumulator.SummaryMetadata(tag).plugin_data.plugin_name != "text":
+            continue  # the HParams summary: the run's settings, not an entry
         for event in accumulator.Tensors(tag):
             entries[f"{_TEXT}\t{tag}\t{event.step}"] = tensor_util.make_ndarray(event.tensor_proto).item().decode()
     return entries
@@ -44,10 +50,21 @@ def mlflow_entries(tracking_uri: str, run_id: str) -> dict[str, Any]:
     experiments = [e.experiment_id for e in client.search_experiments()]
     [run] = client.search_runs(experiments, f"tags.`crl.run_id` = '{run_id}'")
     entries: dict[str, Any] = {}
+    parts: dict[tuple[str, int], dict[str, float]] = {}
     for key in run.data.metrics:
+        tag, marker, part = key.rpartition(HISTOGRAM_MARKER)
         for metric in client.get_metric_history(run.info.run_id, key):
-            entries[f"{_SCALAR}\t{key}\t{metric.step}"] = metric.value
+            if marker:
+                parts.setdefault((tag, metric.step), {})[part] = metric.value
+            else:
+                entries[f"{_SCALAR}\t{key}\t{metric.step}"] = metric.value
+    for (tag, step), summary in parts.items():
+        entries[f"{_HISTOGRAM}\t{tag}\t{step}"] = (summary["count"], summary["sum"], summary["min"], summary["max"])
     return entries
+
+
+HISTOGRAM_MARKER = "/histogram/"
+"""MLflow has no histogram: `<tag>/histogram/<count, sum, min, mean, max>` are its metrics (`MlflowBackend`)."""
 
 
 def _log_records(path: Path) -> list[bytes]:
@@ -97,10 +114,15 @@ def wandb_entries(directory: Path) -> dict[str, Any]:
             step = row.get("step")
             texts = {key.removesuffix("/_type") for key, value in row.items()
                      if key.endswith("/_type") and value == "html-file"}
+            histograms = {key.removesuffix("/_type") for key, value in row.items()
+                          if key.endswith("/_type") and value == "histogram"}
             for tag in texts:
                 entries[f"{_TEXT}\t{tag}\t{step}"] = row[f"{tag}/path"]
+            for tag in histograms:  # W&B keeps the bins, not the values: which histograms were logged
+                entries[f"{_HISTOGRAM}\t{tag}\t{step}"] = sum(row.get(f"{tag}/values", []))
             for key, value in row.items():
-                if key == "step" or key.startswith("_") or any(key.startswith(f"{tag}/") for tag in texts):
+                if key == "step" or key.startswith("_") or any(key.startswith(f"{tag}/")
+                                                                for tag in (*texts, *histograms)):
                     continue
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     entries[f"{_SCALAR}\t{key}\t{step}"] = value

@@ -173,7 +173,12 @@ def test_crl_track_loads_the_run_into_wandb_and_mlflow_with_the_same_scalars(fin
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     live = tensorboard_entries(run_dir / "tensorboard")
     scalars = {key: value for key, value in live.items() if key.startswith("scalar")}
-    assert _same_entries(mlflow_entries(f"sqlite:///{tmp_path / 'mlflow.db'}", run_dir.name), scalars) == []
+    histograms = {key: value for key, value in live.items() if key.startswith("histogram")}
+    assert histograms, "the actor's steps show their advantages and rewards"
+    from_mlflow = mlflow_entries(f"sqlite:///{tmp_path / 'mlflow.db'}", run_dir.name)
+    assert _same_entries({key: value for key, value in from_mlflow.items() if key.startswith("scalar")}, scalars) == []
+    assert {key: value for key, value in from_mlflow.items() if key.startswith("histogram")} == histograms
     from_wandb = wandb_entries(tmp_path)
     assert _same_entries({key: value for key, value in from_wandb.items() if key.startswith("scalar")}, scalars) == []
     assert {key for key in from_wandb if key.startswith("text")} == {key for key in live if key.startswith("text")}
+    assert {key for key in from_wandb if key.startswith("histogram")} == set(histograms)

@@ -406,6 +406,24 @@ def test_token_logprobs_of_an_empty_response_is_empty(policy: TransformersPolicy
     assert policy.token_logprobs([prompt], [[]])[0].shape == (0,)
 
 
+def test_score_gives_the_logprobs_and_the_entropy_of_each_next_token_distribution(policy: TransformersPolicy) -> None:
+    """The entropy is that of softmax(logits / T) over the whole vocabulary, where the response token was chosen:
+    checked against the full distribution of the model's own logits, one row at a time."""
+    generations = policy.generate(PROMPTS[:2], SamplingParams(max_new_tokens=5), seeds=rows(21)[:2])
+    prompts, responses = [g.prompt_token_ids for g in generations], [g.token_ids for g in generations]
+    with torch.no_grad():
+        scored = policy.score(prompts, responses, temperature=0.7)
+        assert scored.entropies is not None
+        for prompt, response, logp, entropy in zip(prompts, responses, scored.logprobs, scored.entropies,
+                                                   strict=True):
+            ids = torch.tensor([list(prompt) + list(response)])
+            logits = policy.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / 0.7  # (R, V)
+            expected = torch.distributions.Categorical(logits=logits).entropy()
+            torch.testing.assert_close(entropy, expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(logp, policy.token_logprobs([prompt], [response], 0.7)[0], atol=1e-6, rtol=0)
+            assert not entropy.requires_grad
+
+
 def test_gradient_flows_through_token_logprobs(policy: TransformersPolicy) -> None:
     generations = policy.generate(PROMPTS, SamplingParams(max_new_tokens=6), seeds=rows(13))
     policy.model.zero_grad(set_to_none=True)

@@ -82,13 +82,13 @@ def test_two_shard_gradients_sum_to_the_one_rank_gradient():
     options: dict[str, Any] = {"variant": "grpo", "aggregation": "token-mean", "eps_low": 0.2, "eps_high": 0.2,
                                "temperature": 1.0, "micro_batch_size": 2}
     policy.model.zero_grad(set_to_none=True)
-    loss, _, _ = accumulate_gradients(policy, trained, **options)
+    loss = accumulate_gradients(policy, trained, **options).loss
     whole = _gradients(policy.model)
     shard_losses, shard_grads = [], []
     for rank in range(2):
         policy.model.zero_grad(set_to_none=True)
-        shard_loss, _, _ = accumulate_gradients(policy, [trained[i] for i in shard_indices(len(trained), rank, 2)],
-                                                **options)
+        shard_loss = accumulate_gradients(policy, [trained[i] for i in shard_indices(len(trained), rank, 2)],
+                                                **options).loss
         shard_losses.append(shard_loss)
         shard_grads.append(_gradients(policy.model))
     assert set(shard_grads[0]) == set(shard_grads[1]) == set(whole)

@@ -13,7 +13,8 @@ from pipeline.rl.advantages import (
     subgroup_advantages,
     training_count_weights,
 )
-from pipeline.rl.losses import aggregate, policy_loss, token_weights
+from pipeline.rl.losses import aggregate, approx_kl_sum, policy_loss, token_weights
+from pipeline.rl.policy_step import StepResult
 
 SQRT_HALF = math.sqrt(0.5)
 
@@ -203,3 +204,24 @@ def test_unknown_loss_variant_and_aggregation_list_the_valid_ones():
         policy_loss("ppo", *args, eps_low=0.2, eps_high=0.2, aggregation="token-mean")
     with pytest.raises(ValueError, match=r"valid values: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
         policy_loss("grpo", *args, eps_low=0.2, eps_high=0.2, aggregation="sum")
+
+
+
+def test_approx_kl_is_k3_summed_over_the_response_tokens_by_hand():
+    # r = pi / mu: 0.5 / 0.25 = 2 gives (2 - 1) - ln 2 = 0.306853; 0.25 / 0.5 = 1/2 gives -1/2 + ln 2 = 0.193147;
+    # r = 1 gives 0; the padding (mask 0) adds nothing however far apart its values are.
+    logp = torch.log(torch.tensor([[0.5, 0.25], [0.3, 0.9]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.5], [0.3, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert approx_kl_sum(logp, behaviour, mask) == pytest.approx((1 - math.log(2)) + (math.log(2) - 0.5), abs=1e-6)
+    assert approx_kl_sum(behaviour, behaviour, torch.ones(2, 2)) == 0.0
+
+
+def test_step_diagnostics_are_per_trained_token_and_per_sample():
+    result = StepResult(loss=0.1, tokens=30, trained_tokens=20, sequences=2, clipped_low=1, clipped_high=3,
+                        grad_norm=1.0, samples=6, kl_sum=0.5, entropy_sum=40.0)
+    assert result.diagnostics() == {"train/clip_fraction": 0.2, "train/response_length": 5.0,
+                                    "train/approx_kl": 0.025, "train/entropy": 2.0}
+    nothing_trained = StepResult(loss=0.0, tokens=12, trained_tokens=0, sequences=1, clipped_low=0, clipped_high=0,
+                                 grad_norm=0.0, samples=3, kl_sum=0.0, entropy_sum=None)
+    assert nothing_trained.diagnostics() == {"train/clip_fraction": 0.0, "train/response_length": 4.0}

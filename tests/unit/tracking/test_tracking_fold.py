@@ -14,7 +14,17 @@ from pipeline.actor.schedule import trajectory_event_id
 from pipeline.extractor.ops import generation_event_id
 from pipeline.extractor.protocol import distill_generation_id
 from pipeline.tracking.backends import TensorBoardBackend
-from pipeline.tracking.fold import RunTracking, Scalar, Text, as_table, fold, schedule_from
+from pipeline.tracking.fold import (
+    Histogram,
+    RunTracking,
+    Scalar,
+    Text,
+    as_table,
+    fold,
+    generation_text,
+    hparams,
+    schedule_from,
+)
 from pipeline.tracking.readback import tensorboard_entries
 from pipeline.tracking.tracker import Tracker
 from schemas.base import Producer
@@ -145,7 +155,48 @@ def test_the_extractor_trainer_step_is_shown_under_its_namespaces():
         weight_hash_before="a" * 64, weight_hash_after="b" * 64, loss=0.5, tokens=10, loss_variant="cispo",
         aggregation="token-mean", metrics={"extractor/reward_mean": 0.25, "train/clip_fraction": 0.0})
     assert _scalars(tracking.add(step, 0)) == {("train/extractor/loss", 1): 0.5, ("train/extractor/tokens", 1): 10.0,
-                                                ("extractor/reward", 1): 0.25, ("train/extractor/clip_frac", 1): 0.0}
+                                                ("train/extractor/reward", 1): 0.25,
+                                                ("train/extractor/clip_frac", 1): 0.0}
+
+
+def test_a_train_step_shows_its_advantages_and_rewards_as_histograms_and_its_diagnostics():
+    tracking = RunTracking()
+    tracking.add(_started(), 0)
+    step = TrainStepCompleted(
+        run_id=RUN, producer=WHO, role="actor", step=3, policy_version=3, batch_event_ids=("a", "b", "c"),
+        weight_hash_before="a" * 64, weight_hash_after="b" * 64, loss=0.5, tokens=10, loss_variant="grpo",
+        aggregation="token-mean", rewards=(1.0, 0.0, 0.0), advantages=(1.25, -0.5, -0.75),
+        metrics={"train/entropy": 1.5, "train/approx_kl": 0.01, "train/clip_fraction": 0.1,
+                 "train/response_length": 6.0})
+    entries = tracking.add(step, 0)
+    histograms = {(e.tag, e.step): e for e in entries if isinstance(e, Histogram)}
+    assert set(histograms) == {("train/actor/advantages", 3), ("train/actor/rewards", 3)}
+    assert histograms[("train/actor/advantages", 3)].summary() == (3.0, 0.0, -0.75, 1.25)
+    assert histograms[("train/actor/rewards", 3)].summary() == (3.0, 1.0, 0.0, 1.0)
+    assert {tag: value for (tag, _), value in _scalars(entries).items()}.items() >= {
+        "train/actor/entropy": 1.5, "train/actor/approx_kl": 0.01, "train/actor/clip_frac": 0.1,
+        "train/actor/response_length": 6.0}.items()
+
+
+def test_hparams_are_the_settings_of_what_was_run_flattened():
+    config = {"scheduler": {"arm": "grpo", "steps": 10, "deterministic": False},
+              "envs": {"tasks": [{"env_id": "E", "weight": 1.0}]}, "actor_trainer": {"lr": 1e-5, "lora": None},
+              "kafka": {"bootstrap_servers": "x:9092"}, "run_dir": "runs/a"}
+    assert hparams(config) == {"scheduler.arm": "grpo", "scheduler.steps": 10.0, "scheduler.deterministic": False,
+                               "envs.tasks": '[{"env_id": "E", "weight": 1.0}]', "actor_trainer.lr": 1e-5,
+                               "actor_trainer.lora": "none"}
+
+
+def test_a_generation_is_shown_with_its_prompt_digest_answer_ops_and_parse_status():
+    example = EXAMPLES["ExtractionGenerated"]
+    assert isinstance(example, ExtractionGenerated)
+    failed = example.model_copy(update={"parse_status": "parse_error", "parse_error": "no <answer>", "op_ids": ()})
+    text = generation_text(failed)
+    assert f"**{failed.generation_id}** (distill" in text
+    assert "prompt sha256 " in text and f"{len(failed.prompt_token_ids)} tokens" in text
+    assert f"```\n{failed.response_text}\n```" in text
+    assert text.endswith("ops: -\n\nparse: parse_error: no <answer>")
+    assert generation_text(example).endswith(f"ops: {', '.join(example.op_ids)}\n\nparse: ok")
 
 
 def _distillation(episode: TrajectoryCompleted, status: str) -> ExtractionGenerated:
@@ -200,8 +251,8 @@ def test_the_entries_do_not_depend_on_the_order_across_topics(seed):
         offset, event = queues[name].pop(0)
         interleaved.append((event, offset))
     assert as_table(fold(interleaved)) == as_table(in_order)
-    # config; per step 7 scalars, samples and 3 parse shares; the bank: 7 scalars and the ops written
-    assert len(as_table(in_order)) == 30
+    # config; per step 7 scalars, samples, 3 parse shares and the generations; the bank: 7 scalars and the ops written
+    assert len(as_table(in_order)) == 32
 
 
 def test_a_restarted_tracker_writes_each_entry_once(tmp_path):
@@ -215,7 +266,7 @@ def test_a_restarted_tracker_writes_each_entry_once(tmp_path):
     for event, offset in events:
         second.add(event, offset)
     second.close()
-    assert (first.written, second.written) == (1, 29)  # the first saw only RunStarted of what it shows
+    assert (first.written, second.written) == (1, 31)  # the first saw only RunStarted of what it shows
     written = tensorboard_entries(tmp_path / "tensorboard")
     expected = as_table(fold(events))
     assert set(written) == set(expected)
