@@ -403,6 +403,30 @@ def success_curve(runs: Sequence[RunOutcomes], which: Callable[[TrainGroup], tup
     return points
 
 
+def gap_curve(runs: Sequence[RunOutcomes], resamples: int = 1000) -> list[CurvePoint]:
+    """Guided minus free train success per step against environment steps, pooled over runs, with 95% bands. A unit
+    is one group's guided and free outcomes together (the two halves of a GRPO group play the same task), so the
+    pairing survives the resampling."""
+    steps = sorted({g.step for run in runs for g in run.train})
+    spent = [0.0] * len(runs)
+    points = []
+
+    def gap(units: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> float:
+        return success_rate([guided for guided, _ in units]) - success_rate([free for _, free in units])
+
+    for step in steps:
+        by_run = {}
+        for i, run in enumerate(runs):
+            groups = [g for g in run.train if g.step == step]
+            spent[i] += sum(g.actions for g in groups)
+            units = [(g.guided, g.free) for g in groups if g.guided and g.free]
+            if units:
+                by_run[i] = units
+        if by_run:
+            points.append(CurvePoint(step, _mean(spent), bootstrap(by_run, gap, resamples=resamples)))
+    return points
+
+
 # -- arms against each other at equal environment steps ---------------------------------------------------------------
 
 

@@ -69,14 +69,16 @@ from pipeline.audit.learning import (
     arm_table,
     evaluation_provenance,
     extractor_versions,
+    gap_curve,
     lesson_kinds,
     load_outcomes,
     row_cells,
     success_curve,
     warm_start_gates,
 )
-from pipeline.audit.stats import Estimate
+from pipeline.audit.stats import Estimate, wilson
 from pipeline.audit.views import Audit
+from pipeline.bank.state import undecodable
 from pipeline.errors import ConfigError, InvalidArgumentError
 from schemas.training import WarmStartGateCheck
 
@@ -113,6 +115,17 @@ class RunSummary:
     extractor_train_steps: int
     families: tuple[FamilyRow, ...] = ()
     """Success per task family (a mixture's families; one row for a single-family run)."""
+    undecodable: tuple[tuple[str, str], ...] = ()
+    """(id, text) of the active experiences whose text holds undecodable characters (`pipeline.bank.state.
+    undecodable`)."""
+    active: int = 0
+    """Active experiences at the end of the replayed op log, as the experience views have them."""
+
+    @property
+    def parse_error_share(self) -> float | None:
+        """The share of the extractor's generations that did not parse (None: it wrote none)."""
+        total = sum(self.extractions.values())
+        return self.extractions.get("parse_error", 0) / total if total else None
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,8 @@ class RunCurves:
 
     success: dict[str, Series]
     """Keys "train guided", "train free", "eval guided", "eval free"."""
+    success_counts: dict[str, dict[int, tuple[int, int]]]
+    """The same keys: step -> (successes, episodes) behind each rate."""
     actions_per_solved: Series
     invalid_rate: Series
     bank_size: Series
@@ -176,9 +191,9 @@ class Report:
 # as the `crl audit sql` command that gives them; so they contain no `?` placeholders and nothing a shell would expand
 # inside double quotes.
 
-SUCCESS_SQL = ("SELECT split, guided, step, avg(success::INTEGER) AS success_rate FROM trajectories "
-               "GROUP BY ALL ORDER BY ALL")
-"""success.png: success rate per split, slot kind and step."""
+SUCCESS_SQL = ("SELECT split, guided, step, avg(success::INTEGER) AS success_rate, count(*) AS episodes, "
+               "sum(success::INTEGER) AS successes FROM trajectories GROUP BY ALL ORDER BY ALL")
+"""success.png: success rate per split, slot kind and step, with the episodes and successes behind it."""
 ACTIONS_SQL = (
     "SELECT step, avg(num_actions) FILTER (WHERE success) AS actions_per_solved, "
     "sum(invalid_actions) / nullif(sum(num_actions), 0) AS invalid_rate FROM trajectories WHERE split = 'train' "
@@ -239,9 +254,12 @@ FIGURE_SOURCES: dict[str, Source] = {
         "Runs pooled per arm (scheduler.variant, else scheduler.arm, of the run's config). Left: "
         "pipeline.audit.learning.success_curve groups the train episodes by step and group id, puts each step at the "
         "environment steps played up to its end (mean over runs) and bootstraps its success over runs, then groups "
-        "(1000 resamples). Right: the before and after columns of the table of arms (pipeline.audit.learning."
-        "arm_table)."),
-    "success": Source((SUCCESS_SQL,), f"{_PLOTTED}, split and slot kind (guided true or false)."),
+        "(1000 resamples). Middle: pipeline.audit.learning.gap_curve, guided minus free success per step, each "
+        "group's two halves one unit of the same bootstrap. Right: the before and after columns of the table of arms "
+        "(pipeline.audit.learning.arm_table)."),
+    "success": Source((SUCCESS_SQL,), f"{_PLOTTED}, split and slot kind (guided true or false); the band around "
+                      "each point is the Wilson 95% interval of its successes among its episodes "
+                      "(pipeline.audit.stats.wilson)."),
     "actions": Source((ACTIONS_SQL,), f"{_PLOTTED} and column."),
     "bank": Source((BANK_SQL,), f"{_PLOTTED} and column: bank_size on the left, the four op kinds on the right."),
     "extractor": Source((EXTRACTOR_SQL, PARSE_STATUS_SQL),
@@ -300,9 +318,12 @@ def load_run(run_dir: Path) -> RunData:
         run_id, arm, code_version, status = _run_identity(audit, run_dir)
         success: dict[str, Series] = {f"{split} {name}": {} for split in ("train", "eval")
                                       for name in ("guided", "free")}
-        for split, guided, step, rate in _rows(audit, SUCCESS_SQL):
+        success_counts: dict[str, dict[int, tuple[int, int]]] = {key: {} for key in success}
+        for split, guided, step, rate, episodes, successes in _rows(audit, SUCCESS_SQL):
             if rate is not None:
-                success[f"{split} {'guided' if guided else 'free'}"][int(step)] = float(rate)
+                key = f"{split} {'guided' if guided else 'free'}"
+                success[key][int(step)] = float(rate)
+                success_counts[key][int(step)] = (int(successes), int(episodes))
         actions = _rows(audit, ACTIONS_SQL)
         actions_per_solved = _series([(step, solved) for step, solved, _ in actions])
         invalid_rate = _series([(step, invalid) for step, _, invalid in actions])
@@ -330,6 +351,8 @@ def load_run(run_dir: Path) -> RunData:
                        "WHERE split = 'train' OR step = ? GROUP BY ALL", [eval_step if eval_step is not None else -1]):
             family_rates[(family, split, guided)] = float(rate)
         failures = dict(_rows(audit, "SELECT task_family, sum(engine_failures) FROM family_success GROUP BY ALL"))
+        active = _rows(audit, "SELECT experience_id, text FROM experiences WHERE status = 'active' "
+                              "ORDER BY experience_id")
         families = tuple(
             FamilyRow(family, family_rates.get((family, "eval", True)), family_rates.get((family, "eval", False)),
                       family_rates.get((family, "train", True)), family_rates.get((family, "train", False)),
@@ -341,9 +364,11 @@ def load_run(run_dir: Path) -> RunData:
         train_success=float(train_success) if train_success is not None else None, bank_size=final_bank,
         extractions=extractions, actor_train_steps=trained.get("actor", 0),
         extractor_train_steps=trained.get("extractor", 0), families=families,
+        undecodable=tuple((str(i), str(text)) for i, text in active if undecodable(str(text))), active=len(active),
     )
     curves = RunCurves(
-        success=success, actions_per_solved=actions_per_solved, invalid_rate=invalid_rate, bank_size=bank_size,
+        success=success, success_counts=success_counts, actions_per_solved=actions_per_solved,
+        invalid_rate=invalid_rate, bank_size=bank_size,
         ops=ops, extractor_reward=_series([(step, reward) for step, reward, _ in extractor]),
         extractor_clip_fraction=_series([(step, clip) for step, _, clip in extractor]),
         parse_status=parse_status, served_fraction=served_fraction, distinct_served=distinct_served,
@@ -356,21 +381,64 @@ def load_run(run_dir: Path) -> RunData:
 _LINE_STYLES = ("-", "--", ":", "-.")
 Lines = Callable[[RunData], list[tuple[str, Series]]]
 """A run's lines in one panel: (name, series), the name appended to the run's label ("" for none)."""
+Bands = Callable[[RunData, str], dict[int, Estimate]]
+"""The interval around each point of a run's line of that name (none: no band)."""
+
+
+def run_labels(run_ids: Sequence[str]) -> list[str]:
+    """Legend labels for runs: each id without the beginning and end every id shares (`paper-3task-seed1-20261127`
+    and `paper-3task-seed2-20261127` are `seed1` and `seed2`), the whole id where that leaves nothing."""
+    if len(run_ids) < 2:
+        return list(run_ids)
+    prefix = _shared_start(run_ids)
+    suffix = _shared_start([run_id[::-1] for run_id in run_ids])
+    # Cut at the separators only: seed1 and seed2, not 1 and 2.
+    prefix = max((run_ids[0].rfind(mark, 0, prefix) + 1 for mark in _SEPARATORS), default=0)
+    tail = run_ids[0][len(run_ids[0]) - suffix:] if suffix else ""
+    suffix = len(tail) - min((i for i, character in enumerate(tail) if character in _SEPARATORS), default=len(tail))
+    labels = []
+    for run_id in run_ids:
+        cut = run_id[prefix:len(run_id) - suffix if suffix else None].strip("-_ ")
+        labels.append(cut or run_id)
+    return labels if len(set(labels)) == len(labels) else list(run_ids)
+
+
+_SEPARATORS = "-_./ "
+
+
+def _shared_start(texts: Sequence[str]) -> int:
+    """How many characters every text of `texts` begins with alike."""
+    length = 0
+    for characters in zip(*texts, strict=False):
+        if len(set(characters)) > 1:
+            break
+        length += 1
+    return length
 
 
 def _draw(axes: Axes, title: str, ylabel: str, runs: Sequence[RunData], lines_of: Lines, *,
-          xlabel: str = "step", unit_range: bool = False) -> None:
-    """One panel: for every run (one colour each), the lines `lines_of(run)` gives (one line style each)."""
+          xlabel: str = "step", unit_range: bool = False, bands: Bands | None = None) -> None:
+    """One panel. One run: a colour per line. Several: a colour per run and a line style per line. With `bands`, a
+    shaded interval around each line."""
     drawn: set[int] = set()
+    labels = run_labels([run.summary.run_id for run in runs])
     for index, run in enumerate(runs):
-        for style, (name, series) in zip(itertools.cycle(_LINE_STYLES), lines_of(run)):
+        for number, (style, (name, series)) in enumerate(zip(itertools.cycle(_LINE_STYLES), lines_of(run))):
             if not series:
                 continue
             steps = sorted(series)
             drawn.update(steps)
-            label = f"{run.summary.run_id} ({run.summary.arm})" + (f" {name}" if name else "")
+            if len(runs) == 1:
+                colour, style, label = f"C{number % 10}", "-", name or f"{run.summary.run_id} ({run.summary.arm})"
+            else:
+                colour = f"C{index % 10}"
+                label = f"{labels[index]} ({run.summary.arm})" + (f" {name}" if name else "")
             axes.plot(steps, [series[step] for step in steps], linestyle=style, marker="o", markersize=3,
-                      color=f"C{index % 10}", label=label)
+                      color=colour, label=label)
+            if bands is not None and (interval := bands(run, name)):
+                shaded = [step for step in steps if step in interval]
+                axes.fill_between(shaded, [interval[step].low for step in shaded],
+                                  [interval[step].high for step in shaded], color=colour, alpha=0.15, linewidth=0)
     axes.set_title(title, fontsize=10)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
@@ -400,13 +468,22 @@ def _success_lines(split: str) -> Lines:
     return lambda run: [(name, run.curves.success[f"{split} {name}"]) for name in ("guided", "free")]
 
 
+def _success_bands(split: str) -> Bands:
+    def bands(run: RunData, name: str) -> dict[int, Estimate]:
+        counts = run.curves.success_counts.get(f"{split} {name}", {})
+        return {step: wilson(successes, episodes) for step, (successes, episodes) in counts.items() if episodes}
+
+    return bands
+
+
 def draw_figures(runs: Sequence[RunData], out_dir: Path) -> dict[str, Path]:
     """Write the five PNGs into `out_dir`; returns name -> path, in page order."""
     paths: dict[str, Path] = {}
 
     figure, (train, evaluation) = _figure(2)
     for axes, split in ((train, "train"), (evaluation, "eval")):
-        _draw(axes, f"{split} success", "success rate", runs, _success_lines(split), unit_range=True)
+        _draw(axes, f"{split} success (95% Wilson bands)", "success rate", runs, _success_lines(split),
+              unit_range=True, bands=_success_bands(split))
     paths["success"] = _save(figure, out_dir / "success.png")
 
     figure, (actions, invalid) = _figure(2)
@@ -447,7 +524,7 @@ _ARM_LINES: tuple[tuple[str, Callable[[TrainGroup], tuple[bool, ...]]], ...] = (
 def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_dir: Path) -> Path:
     """`learning.png`: per arm (pooled over its runs), train success against environment steps with 95% bands,
     guided and free; and evaluation success before and after training with 95% intervals."""
-    figure, (curves, evals) = _figure(2)
+    figure, (curves, gaps, evals) = _figure(3)
     arms: dict[str, list[RunOutcomes]] = {}
     for run in outcomes:
         arms.setdefault(run.arm, []).append(run)
@@ -463,6 +540,27 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
                         color=f"C{index % 10}", label=f"{arm} {kind} ({len(runs)} run{'s' * (len(runs) > 1)})")
             curves.fill_between(x, [p.success.low for p in points], [p.success.high for p in points],
                                 color=f"C{index % 10}", alpha=0.15)
+    gapped = False
+    for index, (arm, runs) in enumerate(arms.items()):
+        points = gap_curve(runs)
+        if not points:
+            continue
+        gapped = True
+        x = [p.env_steps for p in points]
+        gaps.plot(x, [p.success.value for p in points], marker="o", markersize=3, color=f"C{index % 10}",
+                  label=f"{arm} ({len(runs)} run{'s' * (len(runs) > 1)})")
+        gaps.fill_between(x, [p.success.low for p in points], [p.success.high for p in points],
+                          color=f"C{index % 10}", alpha=0.15, linewidth=0)
+    gaps.axhline(0.0, color="grey", linewidth=0.8)
+    gaps.set_title("guided minus free train success (95% bands)", fontsize=10)
+    gaps.set_xlabel("environment steps (actions played)")
+    gaps.set_ylabel("success rate difference")
+    gaps.set_ylim(-1.05, 1.05)
+    if gapped:
+        gaps.legend(fontsize=7)
+    else:
+        gaps.text(0.5, 0.5, "no guided and free groups", transform=gaps.transAxes, ha="center", va="center",
+                  color="grey")
     curves.set_title("train success against environment steps (95% bands)", fontsize=10)
     curves.set_xlabel("environment steps (actions played)")
     curves.set_ylabel("success rate")
@@ -502,7 +600,7 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
 # -- the page ---------------------------------------------------------------------------------------------------------
 
 _FIGURE_TITLES = {
-    "learning": "Learning per arm: success against environment steps, evaluation before and after",
+    "learning": "Learning per arm: success against environment steps, guided minus free, evaluation before and after",
     "success": "Success: train and eval, guided and free",
     "actions": "Actions per solved task and invalid actions",
     "bank": "Experience bank: size and op mix",
@@ -514,17 +612,23 @@ _COLUMNS = ("run id", "arm", "code version", "status", "steps", "eval success gu
             "extractor train steps", "run dir")
 _FAMILY_COLUMNS = ("run id", "task family", "eval success guided", "eval success free", "train success guided",
                    "train success free", "engine failures")
-_STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+_STYLE = ("body{font-family:sans-serif;margin:2em;overflow-wrap:anywhere}"
+          "table{border-collapse:collapse;max-width:100%}"
           "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}"
           "details.source{margin:0.5em 0 1.5em}details.source pre{white-space:pre-wrap;background:#f4f4f4;"
           "padding:0.5em}li.missed{color:#b00;font-weight:bold}")
-# After the page has loaded, each figure says whether it loaded (`data-loaded`) and the table of arms how many rows
-# it shows (`data-rows`): what a reader's browser shows, readable from the DOM by a headless one.
+# After the page has loaded, each figure says whether it loaded (`data-loaded`), the table of arms how many rows it
+# shows (`data-rows`) and the body how far right the widest table reaches and how wide the page scrolls
+# (`data-widest`, `data-page-width`): what a reader's browser shows, readable from the DOM by a headless one.
 _LOAD_CHECK = (
     "<script>window.addEventListener('load',function(){"
     "for(const image of document.images){image.dataset.loaded=String(image.complete&&image.naturalWidth>0);}"
     "const arms=document.getElementById('arm-table');"
     "if(arms){arms.dataset.rows=String(arms.tBodies[0].rows.length);}"
+    "let widest=0;for(const table of document.querySelectorAll('table')){"
+    "widest=Math.max(widest,Math.ceil(table.getBoundingClientRect().right));}"
+    "document.body.dataset.widest=String(widest);"
+    "document.body.dataset.pageWidth=String(document.documentElement.scrollWidth);"
     "document.body.dataset.checked='true';});</script>"
 )
 
@@ -661,6 +765,37 @@ def _behind_section(runs: Sequence[Behind]) -> str:
             f'<ul id="behind">{"".join(items)}</ul>\n')
 
 
+PARSE_ERROR_FLAG = 0.10
+"""A run whose extractor's generations failed to parse more often than this is flagged at the top of the report."""
+
+
+def flags(runs: Sequence[RunSummary]) -> list[str]:
+    """What a reader should know before trusting a run's figures: a high parse-error rate of its extractor, and
+    experiences whose text holds undecodable characters (shown as they are everywhere else)."""
+    lines = []
+    for run in runs:
+        share = run.parse_error_share
+        if share is not None and share > PARSE_ERROR_FLAG:
+            total = sum(run.extractions.values())
+            lines.append(f"{run.run_id}: {share:.0%} of the extractor's generations did not parse "
+                         f"({run.extractions['parse_error']} of {total}; flagged above {PARSE_ERROR_FLAG:.0%}): the "
+                         "bank grows only from the rest")
+        if run.undecodable:
+            first_id, first_text = run.undecodable[0]
+            lines.append(f"{run.run_id}: {len(run.undecodable)} of {run.active} active experiences hold undecodable "
+                         f"text (U+FFFD or UTF-8 read as Latin-1), shown as written; e.g. {first_id}: "
+                         f"{first_text[:80]!r}")
+    return lines
+
+
+def _flags_section(runs: Sequence[RunSummary]) -> str:
+    found = flags(runs)
+    if not found:
+        return ""
+    items = "".join(f'<li class="missed">{html.escape(line)}</li>' for line in found)
+    return f'<h2>Flags</h2>\n<ul id="flags">{items}</ul>\n'
+
+
 def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequence[ArmRow] = (),
                 backgrounds: Sequence[Behind] = (), quality: Sequence[LessonQuality] = ()) -> str:
     """The page: title, one table row per arm (evaluation success pooled over its runs, with 95% intervals), one
@@ -682,7 +817,8 @@ def render_html(runs: Sequence[RunSummary], figures: dict[str, Path], arms: Sequ
     family_section = ("<h2>Success per task family (eval: the last eval step; train: every step)</h2>\n"
                       + _table(_FAMILY_COLUMNS, family_rows)) if family_rows else ""
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{arm_section}"
+            f"<style>{_STYLE}</style></head>\n<body>\n<h1>{html.escape(title)}</h1>\n{_flags_section(runs)}"
+            f"{arm_section}"
             f"{_behind_section(backgrounds)}{_quality_section(quality, run_dirs)}"
             f"<h2>Runs</h2>\n{_table(_COLUMNS, [summary_row(run) for run in runs])}{family_section}{images}"
             f"{_LOAD_CHECK}\n</body></html>\n")

@@ -101,3 +101,16 @@ def success_rate(outcomes: Sequence[Sequence[bool]]) -> float:
     """Pooled success over units that are each a task's episode outcomes."""
     episodes = sum(len(unit) for unit in outcomes)
     return sum(sum(unit) for unit in outcomes) / episodes if episodes else float("nan")
+
+
+def wilson(successes: int, trials: int, z: float = 1.959964) -> Estimate:
+    """The success rate of `trials` independent trials and its Wilson score interval (95% for the default z): unlike
+    the normal approximation it stays inside [0, 1] and is not empty at 0 or `trials` successes. A per-step curve of
+    one run draws it around each point; the runs and tasks behind a claim get `bootstrap` instead."""
+    if trials <= 0:
+        raise InvalidArgumentError(f"a rate needs at least one trial, got {trials}")
+    rate = successes / trials
+    spread = z * ((rate * (1 - rate) + z * z / (4 * trials)) / trials) ** 0.5
+    centre = rate + z * z / (2 * trials)
+    scale = 1 + z * z / trials
+    return Estimate(rate, max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale))

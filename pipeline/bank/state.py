@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -45,6 +46,17 @@ from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 ExperienceOp = ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired
 Status = Literal["active", "retired"]
+
+
+MOJIBAKE = re.compile("\ufffd|[\u00c2\u00c3][\u0080-\u00bf]|\u00e2\u20ac")
+"""What no reader can make sense of: U+FFFD (bytes that decoded to no character, as when a model's answer stops
+inside a character) and the marks of UTF-8 read as Latin-1 or cp1252 (an e-acute shown as "\u00c3\u00a9", a right
+quote as "\u00e2\u20ac\u2122")."""
+
+
+def undecodable(text: str) -> bool:
+    """Whether an experience's text holds undecodable characters (`MOJIBAKE`)."""
+    return MOJIBAKE.search(text) is not None
 
 
 def decode_op(data: bytes | None) -> ExperienceOp:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from pipeline.bank.state import undecodable
 from pipeline.cli.common import console
 from pipeline.cli.listing import Format, FormatOption, bank_store, print_rows, resolve_id, table_console
 
@@ -91,3 +92,8 @@ def _list(store: Any, family: str | None, all_statuses: bool, sort: BankSort, li
                           row["text"]] for row in shown), output, footer=footer, cut={"text": 90})
     if output is Format.table and not shown:
         console.print("the bank holds no experience" + (f" of family {family}" if family else ""), highlight=False)
+    garbled = [row["experience_id"] for row in shown if undecodable(row["text"])]
+    if output is Format.table and garbled:
+        console.print(f"{len(garbled)} of these hold undecodable text (U+FFFD or UTF-8 read as Latin-1), shown as "
+                      f"written: {', '.join(garbled[:3])}" + (" ..." if len(garbled) > 3 else ""),
+                      markup=False, highlight=False, soft_wrap=True)

@@ -17,6 +17,7 @@ from pipeline.audit.learning import (
     arm_table,
     eval_rise,
     eval_success,
+    gap_curve,
     guided_gap,
     load_outcomes,
     ratio_at_equal_env_steps,
@@ -173,6 +174,18 @@ def test_success_curves_put_each_step_at_the_mean_environment_steps_played_by_it
     assert all(p.success.low <= p.success.value <= p.success.high for p in curve)
     free_only = success_curve([a, b], lambda g: g.free)
     assert [p.success.value for p in free_only] == [0.0, 0.5]
+
+
+def test_the_gap_curve_is_pooled_guided_minus_pooled_free_success_per_step():
+    # step 0: g0 guided 2/2, free 0/2; g1 guided 1/2, free 1/2 -> guided 3/4 - free 1/4 = 0.5. step 1: a group with
+    # no guided half (the warm-up) has no gap to give; g1 guided 0/2, free 2/2 -> -1.
+    run = outcomes({}, [group(0, "g0", [True, True], [False, False], 8),
+                        group(0, "g1", [True, False], [True, False], 4),
+                        group(1, "g0", [], [True, False], 6), group(1, "g1", [False, False], [True, True], 2)])
+    curve = gap_curve([run])
+    assert [(p.step, p.env_steps, p.success.value) for p in curve] == [(0, 12.0, 0.5), (1, 20.0, -1.0)]
+    assert all(p.success.low <= p.success.value <= p.success.high for p in curve)
+    assert gap_curve([outcomes({}, [group(0, "g0", [], [True], 3)])]) == []
 
 
 def test_a_run_with_one_evaluation_says_so_for_each_pool():

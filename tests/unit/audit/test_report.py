@@ -14,6 +14,7 @@ import io
 import json
 import re
 import shlex
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -27,13 +28,18 @@ from pipeline.audit.report import (
     FIGURE_SOURCES,
     LESSON_QUALITY_SOURCE,
     OP_KINDS,
+    PARSE_ERROR_FLAG,
     SUCCESS_SQL,
     FamilyRow,
     RunSummary,
+    flags,
     load_run,
+    render_html,
+    run_labels,
     write_report,
 )
 from pipeline.audit.views import Audit
+from pipeline.bank.state import undecodable
 from pipeline.cli import app
 from pipeline.runtime.harness import run_worker
 from schemas.arrays import EmbeddingVector
@@ -243,7 +249,7 @@ def test_report_of_two_runs_writes_the_page_and_every_figure(runs, tmp_path):
                    steps=2, eval_success_guided=1.0, eval_success_free=0.0, train_success=0.625, bank_size=1,
                    extractions={"ok": 5, "no_op": 2, "parse_error": 1}, actor_train_steps=2,
                    extractor_train_steps=2,
-                   families=(FamilyRow("minihack-room", 1.0, 0.0, 0.75, 0.5, engine_failures=0),)),
+                   families=(FamilyRow("minihack-room", 1.0, 0.0, 0.75, 0.5, engine_failures=0),), active=1),
         RunSummary(run_dir=runs[1], run_id="grpo-1", arm="grpo", code_version="abc123", status="unfinished",
                    steps=1, eval_success_guided=None, eval_success_free=None, train_success=0.5, bank_size=0,
                    extractions={"ok": 0, "no_op": 0, "parse_error": 0}, actor_train_steps=1,
@@ -364,3 +370,32 @@ def test_audit_sql_answers_which_lessons_a_version_wrote_and_how_their_episodes_
                     ["exp-a", "2", "Advice exp-a, refined.", "0", "0"], ["exp-c", "1", "Advice exp-c.", "0", "0"],
                     ["exp-m", "1", "Merged advice.", "0", "0"]]
     assert LESSONS_OF_A_VERSION.strip() in (ROOT / "docs" / "running.md").read_text()
+
+
+def test_legends_name_runs_by_what_sets_them_apart():
+    assert run_labels(["paper_3task_seed1_20261127", "paper_3task_seed2_20261127"]) == ["seed1", "seed2"]
+    assert run_labels(["only-one-run"]) == ["only-one-run"]
+    assert run_labels(["run-a", "run-a-b"]) == ["a", "a-b"]  # cut at a separator, never inside a word
+    assert run_labels(["same", "same"]) == ["same", "same"]
+
+
+def test_flags_name_a_high_parse_error_rate_and_undecodable_bank_text(runs):
+    summary = load_run(runs[0]).summary
+    assert summary.parse_error_share == pytest.approx(1 / 8)
+    assert flags([summary]) == [f"comp-1: 12% of the extractor's generations did not parse (1 of 8; flagged above "
+                                f"{PARSE_ERROR_FLAG:.0%}): the bank grows only from the rest"]
+    garbled = replace(summary, extractions={"ok": 9, "no_op": 1, "parse_error": 0}, active=4,
+                      undecodable=(("exp-x", "go west\ufffd then north"),))
+    assert flags([garbled]) == ["comp-1: 1 of 4 active experiences hold undecodable text (U+FFFD or UTF-8 read as "
+                                "Latin-1), shown as written; e.g. exp-x: 'go west\ufffd then north'"]
+    page = render_html([summary], {})
+    assert '<ul id="flags"><li class="missed">comp-1: 12% of' in page
+    assert "<h2>Flags</h2>" not in render_html([replace(summary, extractions={"ok": 1, "no_op": 0,
+                                                                               "parse_error": 0})], {})
+
+
+@pytest.mark.parametrize(("text", "garbled"), [("go west\ufffd", True), ("caf\u00c3\u00a9", True),
+                                               ("it\u00e2\u20ac\u2122s", True), ("caf\u00e9, na\u00efve", False),
+                                               ("\u00c3 alone", False)])
+def test_undecodable_text_is_told_from_text_with_accents(text, garbled):
+    assert undecodable(text) is garbled

@@ -63,6 +63,8 @@ class PageState(HTMLParser):
     def __init__(self, dom: str) -> None:
         super().__init__()
         self.checked = False
+        self.widest = self.page_width = 0
+        """How far right the widest table reaches, and how wide the page scrolls (CSS pixels)."""
         self.images: dict[str, str | None] = {}
         """src -> data-loaded ("true", "false"; None: the check did not run)."""
         self.arm_rows: str | None = None
@@ -76,6 +78,8 @@ class PageState(HTMLParser):
         attributes = dict(attrs)
         if tag == "body":
             self.checked = attributes.get("data-checked") == "true"
+            self.widest = int(attributes.get("data-widest") or 0)
+            self.page_width = int(attributes.get("data-page-width") or 0)
         elif tag == "img":
             self.images[attributes.get("src") or ""] = attributes.get("data-loaded")
         elif tag == "table" and attributes.get("id") == "arm-table":
@@ -134,6 +138,20 @@ def test_a_browser_shows_every_figure_and_one_row_per_arm_and_slot_kind(chromium
     assert len(colours) > 50
     white = max((count for count, colour in colours if colour == (255, 255, 255)), default=0)
     assert white < 0.98 * WINDOW[0] * WINDOW[1]
+
+
+def test_every_table_fits_a_1280_pixel_window(chromium, tmp_path_factory):
+    """Long run ids and run directories without a break opportunity (what a sweep names its runs) wrap inside their
+    cells: no table, and so no page, is wider than the window."""
+    root = tmp_path_factory.mktemp("wide")
+    long_id = "paper_3task_complementary_seed_0017_lr_1e_5_groups_8_staleness_1_20261127_101112"
+    directory = root / ("a_run_directory_with_a_name_as_long_as_a_sweep_gives_it_" * 3).strip("_")
+    run = archived(directory, complementary_run(long_id))
+    wide = write_report([run], root / "report")
+    state = PageState(browse(chromium, wide.html, "--dump-dom", f"--window-size={WINDOW[0]},{WINDOW[1]}"))
+    assert state.checked
+    assert 0 < state.widest <= WINDOW[0], state.widest
+    assert state.page_width <= WINDOW[0], state.page_width
 
 
 def test_the_browser_check_fails_when_a_figure_is_missing(chromium, report, tmp_path):

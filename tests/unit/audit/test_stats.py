@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.audit.stats import bootstrap, bootstrap_independent, success_rate
+from pipeline.audit.stats import bootstrap, bootstrap_independent, success_rate, wilson
 from pipeline.errors import InvalidArgumentError
 
 
@@ -76,3 +76,17 @@ def test_the_independent_bootstrap_resamples_each_side_apart():
                                              resamples=500), "seeded"
     with pytest.raises(InvalidArgumentError, match="each side"):
         bootstrap_independent(a, {}, lambda xs, ys: 0.0)
+
+
+def test_the_wilson_interval_by_hand():
+    # z = 1.959964, z^2 = 3.841459. 5 of 10: centre (0.5 + 0.192073) / 1.384146, half-width
+    # 1.959964 * sqrt((0.25 + 0.096036) / 10) / 1.384146 -> [0.236593, 0.763407]. 0 of 10: [0, 0.277533], not empty.
+    half = wilson(5, 10)
+    assert (half.value, half.low, half.high) == (0.5, pytest.approx(0.236593, abs=1e-6),
+                                                 pytest.approx(0.763407, abs=1e-6))
+    none = wilson(0, 10)
+    assert (none.value, none.low, none.high) == (0.0, 0.0, pytest.approx(0.277533, abs=1e-6))
+    every = wilson(10, 10)
+    assert (every.low, every.high) == (pytest.approx(1 - 0.277533, abs=1e-6), pytest.approx(1.0))
+    with pytest.raises(InvalidArgumentError, match="at least one trial"):
+        wilson(0, 0)
