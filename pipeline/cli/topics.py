@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typer
-from rich.table import Table
 
 from pipeline.cli.common import (
     RunDirOption,
@@ -42,8 +41,9 @@ def topics_list(run_dir: RunDirOption = None, output: FormatOption = Format.tabl
 
 
 @topics_app.command("describe")
-def topics_describe(run_dir: RunDirOption = None) -> None:
-    """Every registry topic: partitions (expected and actual), records, retention, event kinds."""
+def topics_describe(run_dir: RunDirOption = None, output: FormatOption = Format.table) -> None:
+    """Every registry topic: partitions (expected and actual), records, retention, event kinds (columns: topic,
+    partitions, records, retention, events, ok); exit 1 if any topic is not as the registry says."""
     from infra.admin import describe_topics
     from pipeline.runtime.log import KafkaLog
 
@@ -52,17 +52,12 @@ def topics_describe(run_dir: RunDirOption = None) -> None:
     log = KafkaLog(kafka_of(current_settings(run_dir)), client_id="crl-describe")
     records = {status.topic.name: sum(log.end_offsets(status.topic).values()) for status in statuses
                if status.matches}
-    table = Table("topic", "partitions", "records", "retention", "events", "ok")
+    rows = []
     for status in statuses:
         retention = "forever" if status.topic.retention_ms < 0 else f"{status.topic.retention_ms // 3_600_000} h"
-        table.add_row(
-            status.topic.name,
-            f"{status.partitions}/{status.topic.partitions}",
-            str(records[status.topic.name]) if status.topic.name in records else "-",
-            retention,
-            ", ".join(status.topic.kinds),
-            "[green]yes[/green]" if status.matches else "[red]no[/red]",
-        )
-    console.print(table)
+        rows.append((status.topic.name, f"{status.partitions}/{status.topic.partitions}",
+                     records.get(status.topic.name), retention, ", ".join(status.topic.kinds),
+                     "yes" if status.matches else "no"))
+    print_rows(("topic", "partitions", "records", "retention", "events", "ok"), rows, output)
     if not all(status.matches for status in statuses):
         raise typer.Exit(1)
