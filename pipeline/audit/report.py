@@ -521,6 +521,12 @@ _ARM_LINES: tuple[tuple[str, Callable[[TrainGroup], tuple[bool, ...]]], ...] = (
     ("guided", lambda g: g.guided), ("free", lambda g: g.free))
 
 
+def _arm_colour(arm: int, kind: int = 0) -> str:
+    """The colour of an arm's line of one kind (0 guided, 1 free): each arm two of matplotlib's ten, its own colour
+    the guided one's."""
+    return f"C{(2 * arm + kind) % 10}"
+
+
 def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_dir: Path) -> Path:
     """`learning.png`: per arm (pooled over its runs), train success against environment steps with 95% bands,
     guided and free; and evaluation success before and after training with 95% intervals."""
@@ -530,16 +536,17 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
         arms.setdefault(run.arm, []).append(run)
     drawn = False
     for index, (arm, runs) in enumerate(arms.items()):
-        for style, (kind, which) in zip(_LINE_STYLES, _ARM_LINES, strict=False):
+        for number, (style, (kind, which)) in enumerate(zip(_LINE_STYLES, _ARM_LINES, strict=False)):
             points = success_curve(runs, which)
             if not points:
                 continue
             drawn = True
             x = [p.env_steps for p in points]
+            colour = _arm_colour(index, number)
             curves.plot(x, [p.success.value for p in points], linestyle=style, marker="o", markersize=3,
-                        color=f"C{index % 10}", label=f"{arm} {kind} ({len(runs)} run{'s' * (len(runs) > 1)})")
+                        color=colour, label=f"{arm} {kind} ({len(runs)} run{'s' * (len(runs) > 1)})")
             curves.fill_between(x, [p.success.low for p in points], [p.success.high for p in points],
-                                color=f"C{index % 10}", alpha=0.15)
+                                color=colour, alpha=0.15)
     gapped = False
     for index, (arm, runs) in enumerate(arms.items()):
         points = gap_curve(runs)
@@ -547,10 +554,10 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
             continue
         gapped = True
         x = [p.env_steps for p in points]
-        gaps.plot(x, [p.success.value for p in points], marker="o", markersize=3, color=f"C{index % 10}",
+        gaps.plot(x, [p.success.value for p in points], marker="o", markersize=3, color=_arm_colour(index),
                   label=f"{arm} ({len(runs)} run{'s' * (len(runs) > 1)})")
         gaps.fill_between(x, [p.success.low for p in points], [p.success.high for p in points],
-                          color=f"C{index % 10}", alpha=0.15, linewidth=0)
+                          color=_arm_colour(index), alpha=0.15, linewidth=0)
     gaps.axhline(0.0, color="grey", linewidth=0.8)
     gaps.set_title("guided minus free train success (95% bands)", fontsize=10)
     gaps.set_xlabel("environment steps (actions played)")
@@ -574,7 +581,7 @@ def draw_learning(outcomes: Sequence[RunOutcomes], rows: Sequence[ArmRow], out_d
     for index, row in enumerate(rows):
         if row.before is None:
             continue
-        colour = f"C{list(arms).index(row.arm) % 10}"
+        colour = _arm_colour(list(arms).index(row.arm))
         marks: list[tuple[float, Estimate]] = [(float(index), row.before)]
         if row.after is not None:
             marks.append((index + 0.5, row.after))
@@ -612,9 +619,10 @@ _COLUMNS = ("run id", "arm", "code version", "status", "steps", "eval success gu
             "extractor train steps", "run dir")
 _FAMILY_COLUMNS = ("run id", "task family", "eval success guided", "eval success free", "train success guided",
                    "train success free", "engine failures")
-_STYLE = ("body{font-family:sans-serif;margin:2em;overflow-wrap:anywhere}"
+_STYLE = ("body{font-family:sans-serif;margin:2em;overflow-wrap:break-word}"
           "table{border-collapse:collapse;max-width:100%}"
-          "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}img{max-width:100%}"
+          "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}td.long{overflow-wrap:anywhere}"
+          "img{max-width:100%}"
           "details.source{margin:0.5em 0 1.5em}details.source pre{white-space:pre-wrap;background:#f4f4f4;"
           "padding:0.5em}li.missed{color:#b00;font-weight:bold}")
 # After the page has loaded, each figure says whether it loaded (`data-loaded`), the table of arms how many rows it
@@ -654,9 +662,19 @@ def summary_line(summary: RunSummary) -> str:
             f"{summary.actor_train_steps} extractor {summary.extractor_train_steps}")
 
 
+LONG_WORD = 24
+"""A cell with a word longer than this (a run id, a path, a commit hash) may break it anywhere, so that a table fits
+the window; every other cell breaks between words only."""
+
+
+def _cell(text: str) -> str:
+    long = any(len(word) > LONG_WORD for word in text.split())
+    return f"<td class=\"long\">{html.escape(text)}</td>" if long else f"<td>{html.escape(text)}</td>"
+
+
 def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], table_id: str | None = None) -> str:
     header = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(_cell(cell) for cell in row) + "</tr>" for row in rows)
     opening = f"<table id=\"{html.escape(table_id)}\">" if table_id else "<table>"
     return f"{opening}\n<thead><tr>{header}</tr></thead>\n<tbody>{body}</tbody>\n</table>\n"
 
