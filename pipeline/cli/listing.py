@@ -113,15 +113,18 @@ def resolve_id(given: str, known: Iterable[str], what: str) -> str:
     raise fail(f"no {what} {given}" + (f"; did you mean {' or '.join(close)}?" if close else ""), 1)
 
 
-def bank_store(run_dir: Path) -> Any:
-    """The bank of the run at `run_dir`, which must exist: a command that reads a bank never creates one. (An
-    existing database of an older schema is migrated, as every worker does on start.)"""
+def bank_store(run_dir: Path, log_from_kafka: bool = False) -> Any:
+    """The bank of the run at `run_dir`, which must exist: a command that reads a bank never creates one. The run
+    directory must hold `archive/`, but where the op log is read from Kafka (`log_from_kafka`) a directory with the
+    bank's database is enough. (An existing database of an older schema is migrated, as every worker does on start.)"""
     from infra.db import SQLITE_FILE_NAME, database_url, make_engine, migrate
     from pipeline.bank.store import BankStore
 
-    run_directory(run_dir)
     settings = current_settings(run_dir).db
-    if settings.url is None and not (run_dir / SQLITE_FILE_NAME).is_file():
+    database = run_dir / SQLITE_FILE_NAME
+    if not (log_from_kafka and run_dir.is_dir() and (settings.url is not None or database.is_file())):
+        run_directory(run_dir)
+    if settings.url is None and not database.is_file():
         raise fail(f"{run_dir} has no bank database ({SQLITE_FILE_NAME}): it ran against another database (set "
                    "CRL_DB__URL) or never started its bank", 2)
     engine = make_engine(database_url(settings, run_dir))

@@ -33,8 +33,9 @@ def bank_command(
     """Rebuild the bank from offset 0 and compare its hash with the live SQL position and the newest snapshot."""
     from pipeline.audit.bank_replay import replay_bank
 
+    store = bank_store(run_dir, log_from_kafka=from_kafka)
     kafka = kafka_of(current_settings(run_dir)) if from_kafka else None
-    report = replay_bank(run_dir, bank_store(run_dir), kafka, log_id)
+    report = replay_bank(run_dir, store, kafka, log_id)
     for note in report.notes:
         console.print(note)
     state = report.result.state

@@ -28,6 +28,7 @@ READERS = [
     ["bank", "show", "{dir}"],
     ["bank", "show", "{dir}", "some-id"],
     ["replay", "bank", "{dir}"],
+    ["replay", "bank", "{dir}", "--from-kafka"],  # the op log from Kafka: the bank's database must still be there
     ["replay", "train", "{dir}"],
     ["audit", "sql", "{dir}", "SELECT count(*) FROM events"],
     ["audit", "events", "{dir}"],
