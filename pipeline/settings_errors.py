@@ -79,6 +79,8 @@ class Sources:
             try:
                 self.data = yaml.safe_load(config.read_text())
             except (OSError, yaml.YAMLError):
+                # Only naming suffers: an unreadable config was already reported by `RunConfigSource`, and
+                # without its data each setting is named by its dotted path alone.
                 self.data = None
 
     def where(self, location: Location) -> str:
@@ -98,10 +100,10 @@ def _model_at(root: type[BaseModel], location: Location) -> type[BaseModel] | No
     """The settings model that holds the last part of `location` (None if the path leaves the models)."""
     annotation: Any = root
     for part in location:
-        model = _model_of(annotation)
         if isinstance(part, int):
             annotation = _item_of(annotation)
             continue
+        model = _model_of(annotation)
         if model is None or part not in model.model_fields:
             return None
         annotation = model.model_fields[part].annotation
@@ -119,10 +121,11 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 
 def _item_of(annotation: Any) -> Any:
-    for arg in typing.get_args(annotation):
-        if _model_of(arg) is not None or typing.get_args(arg):
-            return _item_of(arg) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else arg
-    args = typing.get_args(annotation)
+    """The item type of a list or tuple annotation (`tuple[TaskMix, ...]`), through an Optional."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        items = [_item_of(arg) for arg in typing.get_args(annotation) if arg is not type(None)]
+        return next((item for item in items if item is not None), None)
+    args = [arg for arg in typing.get_args(annotation) if arg is not Ellipsis]
     return args[0] if args else None
 
 
