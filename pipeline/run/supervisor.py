@@ -85,6 +85,11 @@ LAUNCH_FILE = "launch.json"
 """How the run was launched: which embedded broker it started (none: an external Kafka), for `--resume`."""
 QUIET_S = 3.0
 """A drained run has published nothing for at least this long."""
+IDLE_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""What each worker's OpenMP threads (torch's CPU threads) do when they run out of work: sleep, not spin. A run's
+workers share the machine's cores (the SmolLM2 configs run four processes of two torch threads each on two cores),
+and a thread spinning in one worker holds the core another worker's thread is waiting for (docs/benchmarks.md,
+"Idle threads"). Applied where the environment names neither `OMP_WAIT_POLICY` nor `GOMP_SPINCOUNT`."""
 
 
 class RunSupervisor:
@@ -294,9 +299,12 @@ class RunSupervisor:
 
     def _environment(self, kind: str) -> dict[str, str]:
         """A worker's environment: no CRL_* variable, so RUN_DIR/config.yaml is all its settings, but for its kind's
-        login on a secured bus (`CRL_KAFKA__SASL_PLAIN_USERNAME` / `..._PASSWORD`, never written to a file)."""
+        login on a secured bus (`CRL_KAFKA__SASL_PLAIN_USERNAME` / `..._PASSWORD`, never written to a file); torch's
+        idle threads sleep (`IDLE_THREADS`)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env):
+            env.update(IDLE_THREADS)
         if self.bus is not None:
             env.update(self.bus.client_environment(worker_principal(kind)))
         return env

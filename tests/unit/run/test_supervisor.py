@@ -255,3 +255,16 @@ def test_security_of_the_embedded_broker_is_refused_with_an_external_kafka(tmp_p
     with pytest.raises(ConfigError, match="CRL_KAFKA__SASL_"):
         supervisor._start_broker()
     assert supervisor.bus is None and supervisor.broker is None
+
+
+def test_the_workers_torch_threads_sleep_when_idle_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    supervisor = RunSupervisor(_settings(tmp_path), Console(file=io.StringIO()))
+    assert supervisor._environment("rollout")["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert supervisor._environment("rollout")["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    environment = supervisor._environment("actor_trainer")
+    assert "OMP_WAIT_POLICY" not in environment and environment["GOMP_SPINCOUNT"] == "10000"
