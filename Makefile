@@ -36,10 +36,9 @@ run: venv
 	HF_HUB_OFFLINE=1 $(BIN)/crl run configs/tiny-signpost-corridor.yaml
 
 # Every test, on two xdist workers: the tests that run whole `crl run`s or load SmolLM2 form one unit of work, so they
-# run one after another on one worker while the other takes the rest (docs/testing.md). Lint and types first. torch's
-# idle threads sleep instead of spinning: the two workers and the processes they start share the cores.
+# run one after another on one worker while the other takes the rest (docs/testing.md). Lint and types first.
 test: lint types kafka-jars
-	HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2
 
 # The quick tier, before every commit: lint, types, and the tests that need no broker, database or whole run.
 check: lint types
