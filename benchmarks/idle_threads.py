@@ -16,8 +16,8 @@ torch loads), on `--threads` torch threads (2):
 - the ratios `gen_busy_wall_ratio` and `gen_busy_cpu_ratio` (spinning / sleeping, beside the busy processes) and,
   without `--quick`, `loop_step_ratio` and `run_cpu_ratio`: above 1, sleeping is the faster.
 
-The policies are `spin` (OMP_WAIT_POLICY and GOMP_SPINCOUNT unset: libgomp spins a while before it sleeps) and
-`passive`. Nothing else should run on the machine meanwhile.
+The policies are `spin` (`GOMP_SPINCOUNT=300000`, libgomp's default: a thread spins a while before it sleeps) and
+`passive` (`OMP_WAIT_POLICY=PASSIVE`). Nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-POLICIES = {"spin": None, "passive": "PASSIVE"}
+POLICIES: dict[str, dict[str, str]] = {"spin": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+"""The environment of each policy. `spin` names libgomp's own default spin count (300,000 where no wait policy is
+set) rather than leaving it unset, since `crl run` gives its workers `PASSIVE` where neither variable is set."""
 
 
 def _environment(policy: str) -> dict[str, str]:
+    """This process's environment with `policy`'s OpenMP wait settings and nothing else of OpenMP's waiting."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    if POLICIES[policy] is not None:
-        env["OMP_WAIT_POLICY"] = POLICIES[policy]  # type: ignore[assignment]
+    env.update(POLICIES[policy])
     env["HF_HUB_OFFLINE"] = "1"
     return env
 
@@ -97,16 +99,16 @@ def loop(policy: str, run_dir: Path) -> dict[str, float]:
     """`benchmarks/smol.py`'s loop step, and the whole run's wall and CPU time, under `policy`."""
     import smol
 
-    saved = {name: os.environ.pop(name, None) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    if POLICIES[policy] is not None:
-        os.environ["OMP_WAIT_POLICY"] = POLICIES[policy]  # type: ignore[assignment]
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_environment(policy))  # smol.loop_step_s starts `crl run` with this process's environment
     try:
         before, started = os.times(), time.perf_counter()
         step = smol.loop_step_s("bfloat16", run_dir)
         after = os.times()
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        os.environ.update({name: value for name, value in saved.items() if value is not None})
+        os.environ.clear()
+        os.environ.update(saved)
     cpu = (after.children_user + after.children_system) - (before.children_user + before.children_system)
     return {"loop_step_s": step, "run_wall_s": time.perf_counter() - started, "run_cpu_s": cpu}
 
