@@ -9,7 +9,9 @@ shortened by an override file (fewer and smaller steps, short warm starts), and 
    (what the kernel's OOM killer does): the restart policy brings each back and the actor trains on;
 3. `up --scale rollout=2`: a second rollout worker with its own address joins the rollout group;
 4. `docker network disconnect` cuts the second rollout worker off for 30 s: the group's coordinator hands all of
-   crl.tasks to the first; reconnected, the second holds partitions again;
+   crl.tasks to the first; reconnected, the second holds partitions again. While the second container starts and
+   while the cut lasts after the partitions moved, the scheduler is frozen (`docker pause`), so these waits cost the
+   run no steps; thawed, it rejoins its group and the actor trains on;
 5. `docker-compose stop kafka`, then `start`: the workers carry on;
 6. `docker-compose down` (volumes kept), then `up`: the run continues from the log, the database and the volumes;
 7. the scheduler exits 0 after `RunFinished`, the workers drain; every step exactly once, nothing dead-lettered,
@@ -48,7 +50,9 @@ from workers import WORKERS
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 70  # 2-3 s a step undisturbed: every phase falls inside the run (down and up came at versions 39-54 of 99 here)
+# ~1.3 s a step alone. The waits that need no work pass with the scheduler frozen, so every phase falls early in the
+# run: down and up came at actor version 11 of 39 alone (at 47 of 69 without the pauses).
+STEPS = 40
 GROUPS = 2  # groups of 4: 8 episodes a step
 EPISODES = GROUPS * 4
 RUN_ID = "compose-test"
@@ -237,12 +241,17 @@ def _play(stack: Stack) -> None:
                 for service, name in killed.items()}
     stack.phases["crashes"] = {"version": stack.trained_on("after the crashes"), "restarts": restarts}
 
-    # 3. a second rollout worker, with its own address, in the rollout group.
+    # 3. a second rollout worker, with its own address, in the rollout group. The scheduler is frozen (`docker
+    #    pause`: no CPU, no heartbeat, its group session lapses) while the container starts and joins, so the wait
+    #    costs the run no steps; thawed, it rejoins its group and the actor trains on.
+    scheduler = stack.container("scheduler")
+    stack.docker.run("pause", scheduler, quiet=True)
     stack.up("--scale", "rollout=2")
     first, second = stack.container("rollout", 1), stack.container("rollout", 2)
     addresses = {_address(stack, first), _address(stack, second)}
     both = wait_until(lambda: (g := _rollout_group(stack)) and set(g) == addresses and all(g.values()) and g,
                       "both rollout workers holding crl.tasks partitions", timeout=180)
+    stack.docker.run("unpause", scheduler, quiet=True)
     stack.phases["scaled"] = {"addresses": sorted(addresses), "group": both,
                               "version": stack.trained_on("by two rollout workers")}
 
@@ -256,11 +265,14 @@ def _play(stack: Stack) -> None:
                        and g[first_address] == set(range(partitions)) and g,
                        "the first rollout worker holding every crl.tasks partition", timeout=60)
     moved_after = time.monotonic() - cut
+    # The partitions moved while tasks flowed; the rest of the cut and the rejoin pass with the scheduler frozen.
+    stack.docker.run("pause", scheduler, quiet=True)
     time.sleep(max(0.0, 30 - (time.monotonic() - cut)))
     stack.docker.run("network", "connect", network, second, quiet=True)
     addresses = {first_address, _address(stack, second)}
     back = wait_until(lambda: (g := _rollout_group(stack)) and set(g) == addresses and all(g.values()) and g,
                       "both rollout workers holding partitions after the reconnect", timeout=180)
+    stack.docker.run("unpause", scheduler, quiet=True)
     stack.phases["network cut"] = {"alone": alone, "moved_after_s": moved_after, "back": back,
                                    "second_restarts": stack.inspect(second)["RestartCount"],
                                    "version": stack.trained_on("after the reconnect")}
@@ -280,7 +292,6 @@ def _play(stack: Stack) -> None:
     stack.phases["down and up"] = {"before": before, "after": after}
 
     # 7. the run completes: the scheduler exits 0; then every worker drains.
-    scheduler = stack.container("scheduler")
     state = wait_until(lambda: (s := stack.inspect(scheduler)["State"]) and not s["Running"] and s,
                        "the scheduler's exit after RunFinished", timeout=1200, every=2)
     finished_at = time.time()
@@ -312,6 +323,7 @@ def stack(local_images: dict[str, BuiltImage], docker_engine: Docker,
         try:
             _play(stack)
         except (AssertionError, subprocess.SubprocessError, OSError, KeyError, ValueError) as exc:
+            subprocess.run([stack.docker.binary, "unpause", stack.container("scheduler")], capture_output=True)
             logs = stack.compose("logs", "--no-color", "--tail", "60", timeout=120, check=False)
             stack.failure = f"{type(exc).__name__}: {exc}\n{(logs.stdout + logs.stderr)[-15000:]}"
         yield stack
