@@ -11,7 +11,8 @@ shortened by an override file (fewer and smaller steps, short warm starts), and 
 4. `docker network disconnect` cuts the second rollout worker off for 30 s: the group's coordinator hands all of
    crl.tasks to the first; reconnected, the second holds partitions again. While the second container starts and
    while the cut lasts after the partitions moved, the scheduler is frozen (`docker pause`), so these waits cost the
-   run no steps; thawed, it rejoins its group and the actor trains on;
+   run no steps; thawed, it goes on from where it stopped (it reads its partitions by assignment, in no group) and
+   the actor trains on;
 5. `docker-compose stop kafka`, then `start`: the workers carry on;
 6. `docker-compose down` (volumes kept), then `up`: the run continues from the log, the database and the volumes;
 7. the scheduler exits 0 after `RunFinished`, the workers drain; every step exactly once, nothing dead-lettered,
@@ -242,8 +243,8 @@ def _play(stack: Stack) -> None:
     stack.phases["crashes"] = {"version": stack.trained_on("after the crashes"), "restarts": restarts}
 
     # 3. a second rollout worker, with its own address, in the rollout group. The scheduler is frozen (`docker
-    #    pause`: no CPU, no heartbeat, its group session lapses) while the container starts and joins, so the wait
-    #    costs the run no steps; thawed, it rejoins its group and the actor trains on.
+    #    pause`: its processes stop where they are; it reads its partitions by assignment, so no group notices)
+    #    while the container starts and joins, so the wait costs the run no steps; thawed, the actor trains on.
     scheduler = stack.container("scheduler")
     stack.docker.run("pause", scheduler, quiet=True)
     stack.up("--scale", "rollout=2")
