@@ -4,13 +4,14 @@
 #   make check   lint, type check, and the tests that need no service (before every commit; at most 3 minutes)
 #   make docs    regenerate docs/configuration.md and docs/cli.md from the code
 #   make images  build the compose stack's images from Debian's packages, PyPI and Maven Central (no registry needed)
+#   make gpu-wheels  the wheels benchmarks/gpu_check.py needs on an offline GPU machine, into .gpu-wheels/
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Re-install whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test check lint types docs venv kafka-jars images clean
+.PHONY: run test check lint types docs venv kafka-jars images gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,17 @@ docs: venv
 # base), then: docker-compose --env-file infra/images/local.env up -d
 images: venv
 	$(BIN)/python -m infra.images.build
+
+# What benchmarks/gpu_check.py imports beyond torch, transformers, peft and safetensors: pydantic (the version installed
+# here) and its dependencies, for CPython 3.10-3.13 on x86-64 Linux. Bring .gpu-wheels/ with the source tree, then:
+# pip install --no-index --find-links .gpu-wheels pydantic && python benchmarks/gpu_check.py (docs/deployment.md).
+gpu-wheels: venv
+	for version in 3.10 3.11 3.12 3.13; do \
+		$(BIN)/python -m pip download --disable-pip-version-check --quiet --only-binary=:all: \
+			--platform manylinux2014_x86_64 --implementation cp --python-version $$version --dest .gpu-wheels \
+			"pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')" || exit 1; \
+	done
+	du -sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

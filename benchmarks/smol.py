@@ -169,7 +169,8 @@ def update(mode: str, prompts: int, steps: int, threads: int) -> dict:
     from pipeline.models.settings import LoraSettings, ModelSettings
     from pipeline.rl.policy_step import Sample
     from pipeline.rl.settings import ActorTrainerSettings
-    from pipeline.rl.trainer import TrainerStep, initial_policy
+    from pipeline.rl.trainer import initial_policy
+    from pipeline.rl.trainer_step import TrainerStep
 
     lora = LoraSettings(rank=8, alpha=16) if mode != "full" else LoraSettings()
     precision = "bfloat16" if mode == "lora_bf16" else "float32"

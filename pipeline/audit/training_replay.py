@@ -34,7 +34,8 @@ from pipeline.rl.settings import (
     ExtractorTrainerSettings,
     TrainerSettings,
 )
-from pipeline.rl.trainer import TrainerStep, actor_batch, extractor_samples
+from pipeline.rl.trainer import actor_batch, extractor_samples
+from pipeline.rl.trainer_step import TrainerStep
 from schemas.base import Event, Role
 from schemas.codec import DEFAULT_MAX_PAYLOAD_BYTES, decode
 from schemas.extractions import ExtractionGenerated

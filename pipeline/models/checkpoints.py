@@ -433,6 +433,22 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None, device:
     return _loaded(manifest, files, policy)
 
 
+def load_for_generation(directory: Path, expected_sha256: str, device: str = "cpu", *,
+                        current: TransformersPolicy | None = None, precision: str = "float32",
+                        micro_batch_size: int = 8) -> TransformersPolicy:
+    """The version in `directory`, verified (`load_checkpoint` without the optimiser state), as a generating worker
+    samples from it at `precision` (`TransformersPolicy.for_generation`): what `load_published` does for the
+    transformers backend. `current`, the policy the worker holds (or, for a bfloat16 copy, the float32 policy it was
+    made from), gets the new weights in place whenever `load_checkpoint(reuse=...)` can, and its bfloat16 copy too."""
+    reuse = current.full_precision if current is not None and current.full_precision is not None else current
+    loaded = load_checkpoint(directory, expected_sha256=expected_sha256, device=device, reuse=reuse,
+                             optimizer=False).policy
+    loaded.end_sessions()  # a policy loaded in place forgets the keys and values of its previous weights
+    policy = loaded.for_generation(precision, reuse=current)
+    policy.micro_batch_size = micro_batch_size
+    return policy
+
+
 def _check_sha256(path: Path, data: memoryview, recorded: str) -> None:
     if (found := sha256_of(data)) != recorded:
         raise CheckpointError(f"{path}: sha256 {found}, manifest says {recorded}")

@@ -21,7 +21,7 @@ import time
 
 from pipeline.errors import CheckpointError, ConfigError, InvalidArgumentError, InvalidStateError
 from pipeline.models.base import PolicyModel
-from pipeline.models.checkpoints import checkpoint_path, load_checkpoint, manifest_sha256
+from pipeline.models.checkpoints import checkpoint_path, load_for_generation, manifest_sha256
 from pipeline.models.lora import ADAPTER_FILE
 from pipeline.models.transformers_backend import TransformersPolicy
 from pipeline.runtime.log import Follow, FollowedView, Follower
@@ -49,15 +49,9 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
     running engine when its architecture is the one served (`VllmPolicy.load_version`)."""
     path = checkpoint_path(event.checkpoint_uri)
     if backend == "transformers":
-        reuse = current if isinstance(current, TransformersPolicy) else None
-        if reuse is not None and reuse.full_precision is not None:
-            reuse = reuse.full_precision
-        loaded = load_checkpoint(path, expected_sha256=event.sha256, device=device, reuse=reuse,
-                                 optimizer=False).policy
-        loaded.end_sessions()  # a policy loaded in place forgets the keys and values of its previous weights
-        policy = loaded.for_generation(precision, reuse=current if isinstance(current, TransformersPolicy) else None)
-        policy.micro_batch_size = micro_batch_size
-        return policy
+        return load_for_generation(path, event.sha256, device,
+                                   current=current if isinstance(current, TransformersPolicy) else None,
+                                   precision=precision, micro_batch_size=micro_batch_size)
     if backend == "vllm":
         from pipeline.models.vllm_backend import VllmPolicy
 

@@ -18,6 +18,7 @@ to float summation order, and every rank takes the same optimiser step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,7 +107,11 @@ def shard_indices(count: int, rank: int, world_size: int) -> list[int]:
 
 
 def deterministic_torch(threads: int) -> None:
-    """Deterministic kernels and a fixed thread count: the same step gives the same bits on the same machine."""
+    """Deterministic kernels and a fixed thread count: the same step gives the same bits on the same machine.
+
+    On CUDA, cuBLAS is deterministic only with a fixed workspace configuration (without one, deterministic mode
+    refuses every cuBLAS matmul); it is set here unless the environment already sets it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(threads)
 
@@ -119,12 +124,13 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False)
 
 
-def _padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int) -> torch.Tensor:
+def _padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int,
+            device: torch.device | None = None) -> torch.Tensor:
     out = torch.zeros(len(rows), width)
     for i, row in enumerate(rows):
         values = row if isinstance(row, torch.Tensor) else torch.tensor(row, dtype=torch.float32)
         out[i, : len(values)] = values
-    return out
+    return out.to(device) if device is not None else out
 
 
 def weighted_samples(samples: Sequence[Sample], aggregation: str, norm_tokens: int | None = None
@@ -160,17 +166,19 @@ def accumulate_gradients(policy: PolicyModel, trained: Sequence[tuple[Sample, fl
         weights = torch.tensor([w for _s, w in trained[start : start + micro_batch_size]], dtype=torch.float32)
         scored = policy.score([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], temperature)
         logps = scored.logprobs
+        device = logps[0].device  # where the model ran: the loss is taken there too
         width = max(len(s.response_ids) for s in chunk)
-        logp = torch.zeros(len(chunk), width)  # (b, T), padding 0 keeps gradients finite
+        logp = torch.zeros(len(chunk), width, device=device)  # (b, T), padding 0 keeps gradients finite
         mask = torch.zeros(len(chunk), width)  # (b, T)
         for i, row in enumerate(logps):
-            logp = logp.index_put((torch.tensor([i]), torch.arange(len(row))), row)
+            logp = logp.index_put((torch.tensor([i], device=device), torch.arange(len(row), device=device)), row)
             mask[i, : len(row)] = 1.0
-        behaviour = _padded([s.behaviour_logprobs for s in chunk], width)
+        mask = mask.to(device)
+        behaviour = _padded([s.behaviour_logprobs for s in chunk], width, device)
         out = policy_loss(
             variant, logp, behaviour,
-            torch.tensor([s.advantage for s in chunk], dtype=torch.float32), mask,
-            eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, weights=weights,
+            torch.tensor([s.advantage for s in chunk], dtype=torch.float32, device=device), mask,
+            eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, weights=weights.to(device),
         )
         out.loss.backward()
         total.loss += out.loss.item()

@@ -192,7 +192,8 @@ def test_a_run_cannot_switch_to_lora_when_it_resumes(lora_run, tmp_path):
 def test_a_warm_start_leaves_no_gradient_behind(tmp_path):
     """Gradients a warm start leaves on the base would count in the first LoRA step's clipping norm: a trainer built
     on a warm-started policy steps exactly as one built on that policy's saved checkpoint (as replay is)."""
-    from pipeline.rl.trainer import TrainerStep, actor_batch
+    from pipeline.rl.trainer import actor_batch
+    from pipeline.rl.trainer_step import TrainerStep
 
     def warm(policy, _progress):
         policy.model.train()

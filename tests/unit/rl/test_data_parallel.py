@@ -18,7 +18,7 @@ from pipeline.models.tiny import build_tiny
 from pipeline.rl.data_parallel import DataParallel
 from pipeline.rl.policy_step import Sample, accumulate_gradients, shard_indices, weighted_samples
 from pipeline.rl.settings import ActorTrainerSettings
-from pipeline.rl.trainer import TrainerStep
+from pipeline.rl.trainer_step import TrainerStep
 
 TINY = TinyModelSettings(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                          vocab_size=512, corpus_episodes=2)
