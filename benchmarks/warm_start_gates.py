@@ -51,10 +51,11 @@ def one(config: Path, seed: int, threads: int, cache: Path) -> dict[str, dict[st
         started = time.perf_counter()
         if role == "actor":
             _policy, stats = warm_start_actor(initial_policy(model), warm, settings.envs.tasks, settings.envs,
-                                              settings.rollout)
+                                              settings.rollout, precision=model.precision)
         else:
             _policy, stats = warm_start_extractor(initial_policy(model), warm, settings.envs.tasks, settings.envs,
-                                                  settings.extractor, merges=settings.scheduler.merge_every > 0)
+                                                  settings.extractor, merges=settings.scheduler.merge_every > 0,
+                                                  precision=model.precision)
         result[role] = {"gate": stats["gate"], "passed": stats["gate_passed"],
                         "seconds": time.perf_counter() - started}
     return result

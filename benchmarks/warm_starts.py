@@ -71,7 +71,8 @@ def extractor_scores(settings: Settings, steps: int, held_out: int) -> tuple[flo
     deterministic_torch(trainer.threads)  # as the trainer runs it, so the cache entry is the run's
     started = time.perf_counter()
     policy, _stats = warm_start_extractor(initial_policy(trainer.model), warm, settings.envs.tasks, settings.envs,
-                                          settings.extractor, merges=settings.scheduler.merge_every > 0)
+                                          settings.extractor, merges=settings.scheduler.merge_every > 0,
+                                          precision=trainer.model.precision)
     seconds = time.perf_counter() - started
     distilled = distil_held_out(policy, held_out_episodes(settings.envs.tasks, settings.envs, warm, held_out),
                                 settings.extractor)
@@ -103,7 +104,7 @@ def main() -> None:
     deterministic_torch(trainer.threads)
     started = time.perf_counter()
     actor, _stats = warm_start_actor(initial_policy(trainer.model), trainer.warm_start, settings.envs.tasks,
-                                     settings.envs, settings.rollout)
+                                     settings.envs, settings.rollout, precision=trainer.model.precision)
     print(f"actor_warm_start_s={time.perf_counter() - started:.1f}")
     eval_seed = settings.envs.seed if settings.envs.eval_seed is None else settings.envs.eval_seed
     seeds = task_pool(task.env_id, "eval", args.tasks, eval_seed)

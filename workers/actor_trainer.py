@@ -122,7 +122,8 @@ def actor_warm_start(settings: Settings) -> WarmStart | None:
     from pipeline.rl.warm_start import warm_start_actor
 
     return lambda policy, progress: warm_start_actor(policy, warm, settings.envs.tasks, settings.envs,
-                                                     settings.rollout, progress)
+                                                     settings.rollout, progress,
+                                                     precision=settings.actor_trainer.model.precision)
 
 
 class ActorTrainer(TrainerWorker):

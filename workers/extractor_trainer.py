@@ -65,7 +65,8 @@ def extractor_warm_start(settings: Settings) -> WarmStart | None:
 
     return lambda policy, progress: warm_start_extractor(policy, warm, settings.envs.tasks, settings.envs,
                                                          settings.extractor, progress,
-                                                         merges=settings.scheduler.merge_every > 0)
+                                                         merges=settings.scheduler.merge_every > 0,
+                                                         precision=settings.extractor_trainer.model.precision)
 
 
 class ExtractorTrainer(TrainerWorker):
