@@ -84,7 +84,7 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
 
     AdamW is the fused one (`make_optimizer(fused=True)`), and deterministic mode's filling of every new tensor is
     off while it runs (a guard against kernels that read memory they did not write; none on this path does, and
-    the fills took 6% of a bfloat16 step): the result is still a pure function of the inputs and the thread count.
+    the fills took 5% of a bfloat16 step): the result is still a pure function of the inputs and the thread count.
     Under bfloat16 the model attends with plain matmuls (`eager`) while it trains: the CPU's fused attention kernel
     is slower backwards in bfloat16 than in float32, and at warm-start lengths (a few hundred tokens) the matmuls
     are 8% faster a step; its own implementation is set back afterwards."""

@@ -43,7 +43,7 @@ def test_a_bfloat16_warm_start_is_deterministic_its_own_entry_and_leaves_model_a
     assert abs(half_stats["loss_first"] - full_stats["loss_first"]) < 0.02 * full_stats["loss_first"]
     assert half_stats["loss_first"] != full_stats["loss_first"]
     assert half_stats["loss_last"] < half_stats["loss_first"]
-    again, again_stats = _warm(None, "bfloat16")
+    again, _stats = _warm(None, "bfloat16")
     assert weight_hash(again.model) == weight_hash(half.model), "computed again, the same bits"
     cached, cached_stats = _warm(tmp_path, "bfloat16")
     assert cached_stats["cached"] and weight_hash(cached.model) == weight_hash(half.model)
