@@ -2,7 +2,7 @@
 CISPO step, and handing a full and a LoRA version to a generating worker in place.
 
     python benchmarks/gpu_check.py             # on a machine with one NVIDIA GPU (a few minutes; at most 8)
-    python benchmarks/gpu_check.py --dry-run   # the same steps on this machine's CPU, small shapes (~20 s)
+    python benchmarks/gpu_check.py --dry-run   # the same steps on this machine's CPU, small shapes (~10 s)
 
 Meant for a machine that is offline and has torch, transformers, peft and safetensors installed. The project's code
 needs pydantic besides (and its three small dependencies): `make gpu-wheels` downloads their wheels for CPython
