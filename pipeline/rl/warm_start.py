@@ -45,7 +45,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,30 +79,33 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
     """`steps` AdamW steps of token-mean cross-entropy on the responses of (prompt, response) pairs, batches drawn
     with a seeded RNG; returns the loss of every step. Prompts are formed as the workers form them
     (`policy.prompt_ids(prompt, system)`: the chat template for a chat model), responses end as the model ends a
-    turn. `precision` bfloat16 runs the forward and backward passes under autocast, as the role's trainer does with
-    `model.precision: bfloat16` (the weights, gradients and AdamW stay float32; a weight is cast once a step).
+    turn.
 
-    AdamW is the fused one (`make_optimizer(fused=True)`), and deterministic mode's filling of every new tensor is
-    off while it runs (a guard against kernels that read memory they did not write; none on this path does, and
-    the fills took 5% of a bfloat16 step): the result is still a pure function of the inputs and the thread count.
-    Under bfloat16 the model attends with plain matmuls (`eager`) while it trains: the CPU's fused attention kernel
-    is slower backwards in bfloat16 than in float32, and at warm-start lengths (a few hundred tokens) the matmuls
-    are 8% faster a step; its own implementation is set back afterwards."""
+    `precision` bfloat16, as the role's trainer runs with `model.precision: bfloat16`: the forward and backward passes
+    under autocast (the weights, gradients and AdamW state stay float32; a weight is cast once a step), fused AdamW
+    (`make_optimizer(fused=True)`: 0.10 s instead of 0.48 s a step over SmolLM2's parameters), deterministic mode's
+    filling of every new tensor off (a guard against kernels that read memory they did not write; none on this path
+    does, and the fills took 5% of a step), and attention through plain matmuls (`eager`: the CPU's fused attention
+    kernel is slower backwards in bfloat16 than in float32; at warm-start lengths the matmuls are 8% faster), the
+    model's own implementation set back afterwards. The result is still a pure function of the inputs and the thread
+    count. float32 trains exactly as it always has (AdamW's loop, fills on), so its warm starts keep their bits and
+    the figures measured on them."""
     if not samples:
         raise ConfigError("the warm start has no samples (no episode of the task mix had any)")
     rng = random.Random(seed)
     encoded = [(policy.prompt_ids(prompt, system), policy.response_ids(response)) for prompt, response in samples]
-    optimizer = make_optimizer(policy.model, lr, 0.0, (0.9, 0.999), 1e-8, fused=True)
+    half = precision == "bfloat16"
+    optimizer = make_optimizer(policy.model, lr, 0.0, (0.9, 0.999), 1e-8, fused=half)
     policy.model.train()
     losses: list[float] = []
     progress("train", 0, steps)
-    with _uninitialised_memory_unfilled(), _attention(policy, "eager" if precision == "bfloat16" else None):
+    with _bfloat16_training(policy) if half else nullcontext():
         for _ in range(steps):
             batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
             tokens = sum(len(response) for _, response in batch)
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=half):
                 for start in range(0, len(batch), policy.micro_batch_size):
                     chunk = batch[start:start + policy.micro_batch_size]
                     logprobs = policy.token_logprobs([p for p, _ in chunk], [r for _, r in chunk])
@@ -118,31 +121,23 @@ def fine_tune(policy: TransformersPolicy, samples: Sequence[tuple[str, str]], *,
 
 
 @contextmanager
-def _attention(policy: TransformersPolicy, implementation: str | None) -> Iterator[None]:
-    """The model attends with `implementation` inside (None: as it is), then with its own again."""
-    previous = policy.model.config._attn_implementation
-    if implementation is None or implementation == previous:
-        yield
-        return
-    policy.model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        policy.model.set_attn_implementation(previous)
-
-
-@contextmanager
-def _uninitialised_memory_unfilled() -> Iterator[None]:
-    """`torch.utils.deterministic.fill_uninitialized_memory` off inside, then back as it was."""
+def _bfloat16_training(policy: TransformersPolicy) -> Iterator[None]:
+    """Eager attention and deterministic mode's fills off inside (`fine_tune` under bfloat16), then both as they
+    were."""
     import torch.utils.deterministic
 
+    attention = policy.model.config._attn_implementation
     # A property of the module object torch puts there, which the type stubs do not declare.
-    previous = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    fills = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    if attention != "eager":
+        policy.model.set_attn_implementation("eager")
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        torch.utils.deterministic.fill_uninitialized_memory = previous  # type: ignore[attr-defined]
+        torch.utils.deterministic.fill_uninitialized_memory = fills  # type: ignore[attr-defined]
+        if attention != "eager":
+            policy.model.set_attn_implementation(attention)
 
 
 # -- the warm starts, cached ----------------------------------------------------------------------------------------
