@@ -14,8 +14,9 @@ Each measurement runs in its own process (its peak memory is its own), on `--thr
   a little high. Each figure below is printed with `_share` of its bound.
 - `before`: the settings as they were before bfloat16 and sessions, measured again: float32 weights for generation
   and updates, every turn's prompt prefilled whole (the decode loop's preallocated cache is in both).
-- `after`: the defaults of the SmolLM2 configs: generation from a bfloat16 copy (`generation.precision`), updates
-  under bfloat16 autocast on float32 weights (`model.precision`), turns of an episode continuing their session.
+- `after`: what the SmolLM2 configs' `auto` picks on a CPU with AVX-512 BF16: generation from a bfloat16 copy
+  (`generation.precision`), updates under bfloat16 autocast on float32 weights (`model.precision`), turns of an
+  episode continuing their session.
 
 Generation, for both: 8 real chat-formatted MiniHack Room actor prompts (`render_actor_prompt` under `ACTOR_SYSTEM`,
 ~130 tokens) in one batch. `gen_prompt_tokens_per_s`: prompt tokens over the time of a generation of one token (the

@@ -43,3 +43,28 @@ def test_the_tracker_and_the_scheduler_build_one_schedule():
                          config=settings.run_config(), code_version="test")
     assert schedule_from(started) == settings.schedule()
     assert settings.schedule().group_size == 6
+
+
+def test_precision_auto_becomes_bfloat16_only_where_the_device_computes_it_natively(monkeypatch):
+    import torch
+
+    from pipeline.models.settings import GenerationSettings, ModelSettings
+
+    config = CONFIGS / "smol-signpost-corridor.yaml"
+    for native in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        settings = Settings(config=config)
+        expected = "bfloat16" if native else "float32"
+        # Resolved as the settings load, so the config a run records (and keys its warm starts by) says which.
+        assert settings.actor_trainer.model.precision == expected
+        assert settings.extractor_trainer.model.precision == expected
+        assert settings.rollout.generation.precision == expected
+        assert settings.extractor.generation.precision == expected
+        assert settings.model_dump(mode="json")["rollout"]["generation"]["precision"] == expected
+        assert ModelSettings(precision="float32").precision == "float32"  # what is given stays as given
+        assert GenerationSettings(precision="bfloat16").precision == "bfloat16"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert ModelSettings(precision="auto").precision == "bfloat16"
+    if not torch.cuda.is_available():
+        assert ModelSettings(precision="auto", device="cuda").precision == "float32"
