@@ -99,8 +99,10 @@ def test_a_step_of_more_ranks_than_the_replay_may_start_is_reported_as_not_repla
 
 def test_a_run_of_the_actor_on_the_cispo_loss_records_it_and_replays_it(tmp_path, record_actor_run):
     """The loss is a setting: the step runs it, `TrainStepCompleted` records it, and the replay runs the recorded one
-    (replayed with the actor's default, GRPO, the weights would differ at step 1)."""
-    events = record_actor_run(tmp_path, SETTINGS.model_copy(update={"loss": "cispo"}))
+    (replayed with the actor's default, GRPO, the weights would differ at step 1). Off-policy: every token's
+    importance ratio exp(-0.5) lies below both losses' clip ranges, where GRPO's clipped tokens pass no gradient and
+    CISPO's clipped weights still do; on-policy the two are the same update up to rounding."""
+    events = record_actor_run(tmp_path, SETTINGS.model_copy(update={"loss": "cispo"}), behaviour_shift=0.5)
     assert {e.loss_variant for e in events if e.kind == "TrainStepCompleted"} == {"cispo"}
     _archive(tmp_path, events)
     report = replay_training(tmp_path, "actor")
