@@ -134,9 +134,12 @@ def _wire_float16s(text: str) -> PackedFloats | None:
         raw = binascii.a2b_base64(text, strict_mode=True)
     except (binascii.Error, ValueError):
         return None
-    if len(raw) & 1 or raw[1::2].translate(None, _FINITE_F16_HIGH_BYTES):
-        return None
-    return PackedFloats(raw, "<f2")
+    return PackedFloats(raw, "<f2") if finite_float16s(raw) else None
+
+
+def finite_float16s(raw: bytes) -> bool:
+    """Whether `raw` is a whole number of little-endian float16s, none of them NaN or infinite (no numpy call)."""
+    return not (len(raw) & 1 or raw[1::2].translate(None, _FINITE_F16_HIGH_BYTES))
 
 
 def _floats(value: Any, dtype: str) -> PackedFloats:

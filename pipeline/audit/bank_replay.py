@@ -19,7 +19,7 @@ from infra.kafka import KafkaSettings
 from pipeline.audit.views import Audit
 from pipeline.bank.replay import Checkpoint, ReplayResult, replay
 from pipeline.bank.snapshots import restore_newest, snapshots_root
-from pipeline.bank.state import ExperienceOp, decode_op
+from pipeline.bank.state import BankOp, read_op
 from pipeline.bank.store import BankStore
 from pipeline.errors import ConfigError, HashMismatchError
 from pipeline.runtime.log import KafkaLog
@@ -43,7 +43,7 @@ def archived_logs(run_dir: Path) -> list[tuple[str, int, str]]:
     return [(row[0], row[1], row[2]) for row in rows]
 
 
-def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, ExperienceOp]]:
+def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, BankOp]]:
     """Every archived record of the op log `log_id`, once per offset, in offset order.
 
     Not the `events` view: it keeps one row per event id, but the bank consumed records, and the same event can sit
@@ -58,15 +58,15 @@ def ops_from_archive(run_dir: Path, log_id: str) -> Iterator[tuple[int, Experien
             f"WHERE log_id = '{log_id.replace(chr(39), '')}' GROUP BY \"offset\" ORDER BY \"offset\""
         )
     for offset, payload in rows:
-        yield offset, decode_op(payload.encode())
+        yield offset, read_op(payload.encode())
 
 
-def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, ExperienceOp]]:
+def ops_from_kafka(kafka: KafkaSettings, idle_timeout_s: float = 5.0) -> Iterator[tuple[int, BankOp]]:
     """Every op from offset 0 up to the end the op log had when reading started. A record that does not decode is
     passed over, as the bank worker did (it dead-lettered it; the archive holds the dead letter, not an op)."""
     for record in KafkaLog(kafka, client_id="crl-replay").iterate_to_end(EXPERIENCE_OPS_TOPIC, idle_timeout_s):
         try:
-            op = decode_op(record.value)
+            op = read_op(record.value)
         except EventDecodeError:
             continue
         yield record.offset, op

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pipeline.bank.state import BankState, ExperienceOp
+from pipeline.bank.state import BankOp, BankState
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint] = (),
+def replay(ops: Iterable[tuple[int, BankOp]], checkpoints: Iterable[Checkpoint] = (),
            run_id: str | None = None) -> ReplayResult:
     """Apply `(offset, op)` pairs in order to a bank of run `run_id`, taking the hash wherever a checkpoint's offset
     is reached.
@@ -68,7 +68,7 @@ def replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkp
         return _replay(ops, checkpoints, run_id)
 
 
-def _replay(ops: Iterable[tuple[int, ExperienceOp]], checkpoints: Iterable[Checkpoint],
+def _replay(ops: Iterable[tuple[int, BankOp]], checkpoints: Iterable[Checkpoint],
             run_id: str | None) -> ReplayResult:
     pending = sorted(checkpoints, key=lambda c: c.next_offset)
     result = ReplayResult(BankState(run_id))

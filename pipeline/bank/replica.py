@@ -34,7 +34,7 @@ from pipeline.bank.index import (
     HnswOptions,
 )
 from pipeline.bank.snapshots import read_index, restore_newest, snapshots_root
-from pipeline.bank.state import Applied, BankState, Experience, ExperienceOp, Outcome, decode_op
+from pipeline.bank.state import Applied, BankOp, BankState, Experience, Outcome, read_op
 from pipeline.errors import InvalidStateError
 from pipeline.runtime.log import Follow, FollowedView, Follower
 from pipeline.runtime.transport import Record
@@ -128,7 +128,7 @@ class LocalBank:
                 dim=self.state.key_dim, exact_threshold=exact_threshold, **self.hnsw,
             )
 
-    def apply(self, op: ExperienceOp, offset: int) -> Outcome:
+    def apply(self, op: BankOp, offset: int) -> Outcome:
         """Apply one op (writer lock) and bring the index in line with the experiences it touched."""
         self.lock.acquire_write()
         try:
@@ -228,7 +228,7 @@ class BankReplica(LocalBank, FollowedView):
 
     def _on_record(self, record: Record) -> None:
         try:
-            op = decode_op(record.value)
+            op = read_op(record.value)
         except EventDecodeError:
             self.skipped += 1
         else:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline.bank.op_records import RECORD_TYPES, KeyRecord, OpRecord, read_canonical
 from pipeline.errors import HashMismatchError, InvalidArgumentError
 from schemas.arrays import EmbeddingVector, PackedFloats
 from schemas.codec import decode
@@ -45,6 +46,8 @@ from schemas.experiences import ExperienceAdded, ExperienceMerged, ExperienceRef
 from schemas.topics import EXPERIENCE_OPS_TOPIC
 
 ExperienceOp = ExperienceAdded | ExperienceRefined | ExperienceMerged | ExperienceRetired
+BankOp = ExperienceOp | OpRecord
+"""An op as a bank applies it: the event, or the bank's own record of it (`read_op`)."""
 Status = Literal["active", "retired"]
 
 
@@ -64,6 +67,17 @@ def decode_op(data: bytes | None) -> ExperienceOp:
     op = decode(EXPERIENCE_OPS_TOPIC, data)
     assert isinstance(op, ExperienceOp)  # the topic's registry holds the four op kinds only
     return op
+
+
+def read_op(data: bytes | None) -> BankOp:
+    """One record value of the op log, for applying to a bank: a canonical record as the bank's own lighter record
+    (`pipeline.bank.op_records`, several times faster), any other as `decode_op` decodes it (or raises). Both apply
+    alike; a consumer that needs the event itself (its timestamp as a datetime, `model_dump`) uses `decode_op`."""
+    if data is not None:
+        op = read_canonical(data)
+        if op is not None:
+            return op
+    return decode_op(data)
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,9 @@ class Experience:
         return self.status == "active"
 
 
-def _frozen_key(key: EmbeddingVector) -> np.ndarray:
+def _frozen_key(key: EmbeddingVector | KeyRecord) -> np.ndarray:
+    if type(key) is KeyRecord:
+        return key.float16()  # a read-only view of its decoded bytes
     data: object = key.data
     if type(data) is PackedFloats and data.dtype == "<f2":  # a decoded op: a read-only view of its bytes
         return np.frombuffer(data.packed, dtype="<f2")
@@ -161,7 +177,7 @@ class BankState:
 
     # -- applying ops ---------------------------------------------------------------------------------------------
 
-    def apply(self, op: ExperienceOp, offset: int) -> Outcome:
+    def apply(self, op: BankOp, offset: int) -> Outcome:
         """Apply `op`, read at `offset` of the op log."""
         if offset >= self.next_offset:
             self.next_offset = offset + 1
@@ -184,7 +200,7 @@ class BankState:
         self.applied += 1
         return Applied(op_id, touched)
 
-    def _check_key(self, key: EmbeddingVector | None) -> str | None:
+    def _check_key(self, key: EmbeddingVector | KeyRecord | None) -> str | None:
         if key is None or self.key_model is None:
             return None
         if key.model != self.key_model or key.dim != self.key_dim:
@@ -228,7 +244,7 @@ class BankState:
     def _check_retired(self, op: ExperienceRetired) -> str | None:
         return self._check_target(op.experience_id, op.expected_version)
 
-    def _remember_key_space(self, key: EmbeddingVector) -> None:
+    def _remember_key_space(self, key: EmbeddingVector | KeyRecord) -> None:
         if self.key_model is None:
             self.key_model, self.key_dim = key.model, key.dim
 
@@ -399,10 +415,12 @@ _BY_KIND: dict[type, tuple[_Check, _Change]] = {
     ExperienceMerged: (BankState._check_merged, BankState._change_merged),
     ExperienceRetired: (BankState._check_retired, BankState._change_retired),
 }
-"""How `BankState.apply` checks and changes the state for each op kind."""
+_BY_KIND.update({record: _BY_KIND[next(kind for kind in _BY_KIND if kind.__name__ == record.kind)]
+                 for record in RECORD_TYPES})
+"""How `BankState.apply` checks and changes the state for each op kind (an event or the bank's own record of it)."""
 
 
-def _kind_of(op: ExperienceOp) -> tuple[_Check, _Change]:
+def _kind_of(op: BankOp) -> tuple[_Check, _Change]:
     """The handlers for an instance of a subclass of an op kind (not in `_BY_KIND` by its own class)."""
     for kind, handlers in _BY_KIND.items():
         if isinstance(op, kind):
