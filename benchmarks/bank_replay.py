@@ -22,8 +22,8 @@ single-threaded, in one batch call. Times are wall-clock: on a shared machine, c
 Prints per size N, as `ops_N_<name>=<value>`:
 - `ops`, `applied`, `duplicates`, `rejected`: the log's size and the replay's counts;
 - `active`, `index_modes`: active experiences after the replay and the index mode(s) their families got;
-- `matches_live`: True when every pass ended at the live bank's state hash and decided every op as it did (the
-  run exits 1 otherwise);
+- `matches_live`: True when every pass ended at the live bank's state hash and the third pass (read by `read_op`)
+  decided every op as it did (the run exits 1 otherwise);
 - `wire_mb`: the encoded log held in memory;
 - `replay_s`, `replay_before_s`: the replay, reading and applying together, after and before;
 - `decode_s`, `read_s`, `apply_s`: the third pass's split (decode_op alone, read_op alone, BankState.apply alone);
