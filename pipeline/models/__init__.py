@@ -13,19 +13,25 @@
     print(policy.generate(["Action:"], SamplingParams(max_new_tokens=8), seeds=[0])[0].text)
 """
 
-from pipeline.models.base import Generation, PolicyModel, SamplingParams
-from pipeline.models.checkpoints import (
-    CheckpointInfo,
-    LoadedCheckpoint,
-    load_checkpoint,
-    load_optimizer_tensors,
-    manifest_sha256,
-    optimizer_tensors,
-    save_checkpoint,
-    weight_hash,
-)
-from pipeline.models.tiny import TinyModelSettings, build_tiny, tokenizer_corpus, train_tokenizer
-from pipeline.models.transformers_backend import TransformersPolicy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.models.base import Generation, PolicyModel, SamplingParams
+    from pipeline.models.checkpoints import (
+        CheckpointInfo,
+        LoadedCheckpoint,
+        load_checkpoint,
+        load_optimizer_tensors,
+        manifest_sha256,
+        optimizer_tensors,
+        save_checkpoint,
+        weight_hash,
+    )
+    from pipeline.models.tiny import TinyModelSettings, build_tiny, tokenizer_corpus, train_tokenizer
+    from pipeline.models.transformers_backend import TransformersPolicy
 
 __all__ = [
     "CheckpointInfo",
@@ -45,3 +51,31 @@ __all__ = [
     "train_tokenizer",
     "weight_hash",
 ]
+
+
+# Loaded on first use, so that reading settings (`pipeline.models.settings`) does not import torch: the CLI, the
+# scheduler, the archiver and the tracker start without it.
+_HOME = {
+    "CheckpointInfo": "pipeline.models.checkpoints",
+    "Generation": "pipeline.models.base",
+    "LoadedCheckpoint": "pipeline.models.checkpoints",
+    "PolicyModel": "pipeline.models.base",
+    "SamplingParams": "pipeline.models.base",
+    "TinyModelSettings": "pipeline.models.tiny",
+    "TransformersPolicy": "pipeline.models.transformers_backend",
+    "build_tiny": "pipeline.models.tiny",
+    "load_checkpoint": "pipeline.models.checkpoints",
+    "load_optimizer_tensors": "pipeline.models.checkpoints",
+    "manifest_sha256": "pipeline.models.checkpoints",
+    "optimizer_tensors": "pipeline.models.checkpoints",
+    "save_checkpoint": "pipeline.models.checkpoints",
+    "tokenizer_corpus": "pipeline.models.tiny",
+    "train_tokenizer": "pipeline.models.tiny",
+    "weight_hash": "pipeline.models.checkpoints",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)

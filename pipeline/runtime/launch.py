@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -29,21 +30,43 @@ WorkerClass = type[Worker]
 ENTRY_POINT_GROUP = "crl.workers"
 
 
-def load_worker_registry() -> dict[str, WorkerClass]:
-    """Every worker kind published under the `crl.workers` entry-point group: this project's own registry (`workers`)
-    first, then the others by entry-point value, so the order (which breaks ties in `crl run`'s start order) does not
-    depend on how the installed distributions happen to be listed."""
-    registry: dict[str, WorkerClass] = {}
+def _registries() -> list[tuple[str, Mapping[str, WorkerClass]]]:
+    """(entry-point value, registry) of every `crl.workers` entry point: this project's own (`workers`) first, then
+    the others by value, so the order (which breaks ties in `crl run`'s start order) does not depend on how the
+    installed distributions happen to be listed."""
     entries = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.module != "workers", e.value, e.name))
-    for entry in entries:
-        for name, worker in entry.load().items():
-            if name in registry and registry[name] is not worker:
-                raise ConfigError(f"worker kind {name!r} is registered twice ({entry.value} and another registry)")
-            registry[name] = worker
-    if not registry:
+    registries = [(entry.value, entry.load()) for entry in entries]
+    if not registries:
         raise ConfigError(f"no worker registry found under entry points {ENTRY_POINT_GROUP!r}; is the package "
                           "installed?")
+    return registries
+
+
+def load_worker_registry() -> dict[str, WorkerClass]:
+    """Every worker kind published under the `crl.workers` entry-point group, each class imported."""
+    registry: dict[str, WorkerClass] = {}
+    for value, kinds in _registries():
+        for name, worker in kinds.items():
+            if name in registry and registry[name] is not worker:
+                raise ConfigError(f"worker kind {name!r} is registered twice ({value} and another registry)")
+            registry[name] = worker
+    if not registry:
+        raise ConfigError(f"no worker kind is registered under entry points {ENTRY_POINT_GROUP!r}")
     return registry
+
+
+def load_worker_kind(name: str) -> WorkerClass:
+    """Worker kind `name`, importing no other kind where its registry imports on lookup (this project's does: a
+    scheduler process never imports torch). `ConfigError` when no registry has it (naming the kinds there are) or
+    two registries have different classes for it."""
+    registries = _registries()
+    found = [(value, kinds[name]) for value, kinds in registries if name in kinds]
+    if not found:
+        known = sorted({kind for _, kinds in registries for kind in kinds})
+        raise ConfigError(f"unknown worker {name!r}; known workers: {', '.join(known)}")
+    if any(worker is not found[0][1] for _, worker in found[1:]):
+        raise ConfigError(f"worker kind {name!r} is registered twice ({' and '.join(value for value, _ in found)})")
+    return found[0][1]
 
 
 def default_instance(worker: str) -> str:

@@ -51,8 +51,11 @@ def _actor_versions(run_dir: Path) -> int:
 
 def _wait(condition, what: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not condition():
+    while True:
+        # the run first: once it ended, its broker is gone and a condition reading the log cannot answer
         assert process.poll() is None, f"crl run ended while waiting for {what}: {process.communicate()[0][-4000:]}"
+        if condition():
+            return
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
 

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.pretrained, pytest.mark.timeout(3000)
 
 CRL = [sys.executable, "-m", "pipeline.cli"]
 ROOT = Path(__file__).resolve().parents[2]
+GROUP = 4
 
 
 def _crl(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -35,8 +36,11 @@ def smol_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRL_")}
     # An extractor step needs a buffer of generations with outcomes; two suffice for a two-step run. The warm-started
     # extractor's answers that parse are 25-45 tokens long: 64 new tokens keep every one of them and cut short only
-    # the answers that run on, which do not parse at any length (the config allows 96).
+    # the answers that run on, which do not parse at any length (the config allows 96). Groups of four (two guided,
+    # two free) instead of the config's eight halve the actor's steps, the most of the run and of its replay on two
+    # cores without bfloat16 (float32 there: minutes a step).
     env.update({"HF_HUB_OFFLINE": "1", "CRL_EXTRACTOR_TRAINER__BUFFER_SIZE": "2",
+                "CRL_ACTOR_TRAINER__GROUP_SIZE": str(GROUP),
                 "CRL_SCHEDULER__EVAL_EVERY": "0", "CRL_SCHEDULER__MERGE_EVERY": "0",
                 "CRL_EXTRACTOR__GENERATION__MAX_NEW_TOKENS": "64"})
     result = _crl("run", "configs/smol-minihack-room.yaml", "--steps", "3", "--run-dir", str(run_dir), "--no-report",
@@ -57,7 +61,7 @@ def test_smollm2_runs_the_whole_loop(smol_run):
         assert config["actor_trainer"]["model"]["preset"] == "smollm2-135m-instruct"
         assert config["actor_trainer"]["model"]["lora"]["rank"] > 0
         assert one("SELECT status FROM run_finished") == "completed"
-        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 3 * 8
+        assert one("SELECT count(*) FROM trajectories WHERE split = 'train'") == 3 * GROUP
         assert one("SELECT count(*) FROM trajectories WHERE step = 2 AND guided AND served != '[]'") >= 1
         assert one("SELECT count(*) FROM experience_added") >= 1
         assert one("SELECT count(*) FROM train_steps WHERE role = 'actor'") == 2

@@ -1,6 +1,7 @@
 """One error taxonomy: every exception `infra/`, `pipeline/` and `workers/` raise on purpose descends from
 `PipelineError` (pydantic validators excepted: pydantic wants `ValueError` there and turns it into a field-by-field
-`ValidationError`, which the CLI reports as exit 2). `schemas/` keeps its own `EventDecodeError` family.
+`ValidationError`, which the CLI reports as exit 2; and a module's `__getattr__`, whose AttributeError is the
+protocol). `schemas/` keeps its own `EventDecodeError` family.
 
 Static check: every `raise Name(...)` is resolved in its module's namespace and must be a `PipelineError` subclass.
 """
@@ -43,7 +44,8 @@ def _raised_names(tree: ast.AST) -> list[tuple[int, str]]:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             decorators = {d.func.id if isinstance(d, ast.Call) and isinstance(d.func, ast.Name) else
                           d.id if isinstance(d, ast.Name) else "" for d in node.decorator_list}
-            in_validator = in_validator or bool(decorators & VALIDATORS)
+            # a module's __getattr__ (PEP 562) must raise AttributeError for a name it does not have
+            in_validator = in_validator or bool(decorators & VALIDATORS) or node.name == "__getattr__"
         if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and not in_validator:
             func = node.exc.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
@@ -101,7 +103,8 @@ def test_every_raise_is_a_pipeline_error() -> None:
 def test_the_checker_sees_raises_and_skips_validators() -> None:
     source = ("def f():\n    raise ValueError('x')\n"
               "@field_validator('a')\ndef g(cls, v):\n    raise ValueError('y')\n"
-              "def h():\n    raise errors.ConfigError('z')\n")
+              "def h():\n    raise errors.ConfigError('z')\n"
+              "def __getattr__(name):\n    raise AttributeError(name)\n")
     assert _raised_names(ast.parse(source)) == [(2, "ValueError"), (7, "ConfigError")]
 
 
