@@ -329,12 +329,17 @@ def test_sigterm_flushes_buffered_events_and_commits_before_exit(kafka_bootstrap
             event = _trajectory(slot)
             producer.send(TRAJECTORIES.name, key=TRAJECTORIES.key_bytes(event), value=encode(event))
         producer.flush()
-        deadline = time.monotonic() + 15
+        # The stop must reach a running worker that holds all 25 in its buffer: a SIGTERM before its handlers are
+        # installed (a start slowed by the other tests on two cores once took longer than the 15 s allowed here)
+        # kills it before it ever read anything, which would test nothing.
+        deadline = time.monotonic() + 180
         metrics = tmp_path / "metrics" / "archiver-kill.jsonl"
-        while time.monotonic() < deadline:
+        while True:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             if lines and json.loads(lines[-1])["events_in"] >= 25:
                 break
+            assert env_process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the archiver did not read the 25 events in 180 s: {lines[-1:]}"
             time.sleep(0.1)
         assert not list((tmp_path / "archive").glob("*/*.parquet")), "segments were written before the stop"
         env_process.send_signal(signal.SIGTERM)
