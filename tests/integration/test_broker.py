@@ -454,9 +454,12 @@ def test_workers_ride_through_an_apache_kafka_restart_in_the_middle_of_a_stream(
     sent: list = []
     produced_ids: set[str] = set()
     restart: dict[str, float] = {}
+    consuming = threading.Event()
 
     def stream() -> None:
         for slot in range(total):
+            if slot == total // 4:
+                consuming.wait(timeout=200)  # the rest streams in around the restart
             event = _trajectory(slot).model_copy(update={"run_id": "restart-it"})
             produced_ids.add(str(event.event_id))
             sent.append(producer.send(TRAJECTORIES.name, key=f"g{slot % 16}".encode(), value=encode(event)))
@@ -469,7 +472,20 @@ def test_workers_ride_through_an_apache_kafka_restart_in_the_middle_of_a_stream(
     streamer = threading.Thread(target=stream)
     try:
         streamer.start()
-        time.sleep(4)  # mid-stream: the workers are consuming
+        # Mid-stream means both workers are consuming when the broker stops: a worker still starting (a start slowed
+        # by the other tests on two cores) meets a broker that is down for longer than its bootstrap timeout, and
+        # exits with "Unable to bootstrap", which would test a start, not a restart.
+        deadline = time.monotonic() + 180
+        metrics = run_dir / "metrics" / "archiver-kill.jsonl"
+        while True:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if lines and json.loads(lines[-1])["events_in"] > 0 and _read_all(kafka, RUNS.name):
+                break
+            assert archiver.poll() is None, (tmp_path / "archiver.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the workers did not consume within 180 s: {lines[-1:]}"
+            time.sleep(0.2)
+        consuming.set()
+        time.sleep(2.0)
         began = time.monotonic()
         broker.stop()
         restart["stopped_s"] = time.monotonic() - began
