@@ -3,6 +3,7 @@ machine's own limits measured by a probe in the same run.
 
     .venv/bin/python benchmarks/smol.py --quick    # 4 update prompts, 1 timed step per mode, one loop run (~15 min)
     .venv/bin/python benchmarks/smol.py            # 8 update prompts, 2 timed steps, the loop before and after too
+    .venv/bin/python benchmarks/smol.py --decoding # the probe, generation before and after, llama.cpp (~3 min)
 
 Each measurement runs in its own process (its peak memory is its own), on `--threads` threads (2):
 - `probe`: the machine. `mem_read_gb_per_s` (summing a 1 GiB float32 tensor), `matmul_gflops_fp32` and
@@ -34,6 +35,15 @@ recomputation of the same tokens (float32 weights under bfloat16 autocast), mean
 `logprob_mismatch_kl`: KL(rollout || trainer) of the two next-token distributions over the whole vocabulary, both
 teacher-forced over the same sequences, mean per response token; `logprob_mismatch_fp32`: the same mean difference
 with float32 on both sides (float rounding only).
+
+`llamacpp_new_tokens_per_s`: what a user might run instead, side by side: llama.cpp (`llama-cpp-python`, built
+from source by `pip install llama-cpp-python`; `unavailable` without it) decoding the preset's own GGUF file, its
+Q4_1 weights as shipped, on the same 8 prompt token ids, batched as 8 sequences of one context, greedy, timed the same
+way; `llamacpp_over_ours` is its ratio to `gen_new_tokens_per_s` (`_before`: to float32 generation, what the
+SmolLM2 configs' `auto` picks on a CPU without AVX-512 BF16). `llamacpp_logprob_mismatch`: its log-probs of
+the tokens it chose against the float32 trainer's recomputation (mean absolute difference per token; the trainer's
+weights are the same GGUF's, dequantized). Its arithmetic is 4-bit weights with 8-bit activations: every trained
+version would have to be quantized again for it, so what it samples is not the policy the trainer updates.
 
 `loop_step_s`: one `crl run configs/smol-minihack-room.yaml` step of one group of 8 MiniHack episodes (SmolLM2 actor
 and extractor, LoRA): the time between the actor's updates of steps 1 and 2 in a 3-step run (no evaluation, no
@@ -153,6 +163,112 @@ def generation(precision: str, threads: int) -> dict:
     return result
 
 
+def llamacpp(threads: int) -> dict:
+    """What a user would pick instead: llama.cpp decoding the preset's own GGUF (its Q4_1 weights, as shipped) on the
+    same 8 prompt token ids, batched as 8 sequences of one context, greedy, timed as `generation` times ours."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    try:
+        import llama_cpp as lc
+    except ImportError as exc:
+        return {"unavailable": f"{exc} (pip install llama-cpp-python builds it from source)"}
+    from pipeline.models.presets import preset
+    from pipeline.models.settings import ModelSettings
+    from pipeline.rl.trainer import initial_policy
+
+    torch.set_num_threads(threads)
+    policy = initial_policy(ModelSettings(preset="smollm2-135m-instruct"))  # float32: the trainer's weights
+    prompts = actor_prompts(8, policy)
+    lc.llama_backend_init()
+    model_params = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(str(preset("smollm2-135m-instruct").source()).encode(), model_params)
+    context_params = lc.llama_context_default_params()
+    context_params.n_ctx = 8 * 256
+    context_params.n_batch = context_params.n_ubatch = 8 * 256
+    context_params.n_seq_max = 8
+    context_params.n_threads = context_params.n_threads_batch = threads
+    context = lc.llama_init_from_model(model, context_params)
+    vocabulary = lc.llama_model_get_vocab(model)
+    vocab = lc.llama_vocab_n_tokens(vocabulary)
+    batch = lc.llama_batch_init(8 * 256, 0, 8)
+
+    def decode(rows: list[tuple[int, list[int], int]]) -> list[int]:
+        """Run each row's tokens (sequence, tokens, first position); the logits of each row's last token, its index."""
+        batch.n_tokens = 0
+        last = []
+        for sequence, tokens, start in rows:
+            for offset, token in enumerate(tokens):
+                i = batch.n_tokens
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + offset, 1
+                batch.seq_id[i][0] = sequence
+                batch.logits[i] = offset == len(tokens) - 1
+                batch.n_tokens += 1
+            last.append(batch.n_tokens - 1)
+        if lc.llama_decode(context, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return last
+
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+
+    def greedy(row: int, index: int) -> int:
+        """The most likely next token of `row`, recorded with its log-prob."""
+        logits = np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(context, index),
+                                                   ctypes.POINTER(ctypes.c_float)), shape=(vocab,))
+        token = int(logits.argmax())
+        shifted = logits.astype(np.float64) - logits[token]
+        responses[row].append(token)
+        logprobs[row].append(float(-np.log(np.exp(shifted).sum())))
+        return token
+
+    def generate(max_new_tokens: int) -> int:
+        """New tokens, each row's up to its end-of-generation token; as in ours, a row that ended stays in the batch."""
+        lc.llama_memory_clear(lc.llama_get_memory(context), True)
+        for row in range(len(prompts)):
+            responses[row], logprobs[row] = [], []
+        last = decode([(row, ids, 0) for row, ids in enumerate(prompts)])
+        ended = [False] * len(prompts)
+        new = 0
+        for step in range(max_new_tokens):
+            chosen = [greedy(row, index) for row, index in enumerate(last)]
+            new += sum(not done for done in ended)
+            ended = [done or lc.llama_vocab_is_eog(vocabulary, token)
+                     for done, token in zip(ended, chosen, strict=True)]
+            if step == max_new_tokens - 1:
+                break
+            last = decode([(row, [token], len(prompts[row]) + step) for row, token in enumerate(chosen)])
+        return new
+
+    try:
+        generate(2)  # warm-up
+        started = time.perf_counter()
+        generate(1)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        new_tokens = generate(32)
+        generate_s = time.perf_counter() - started
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(context)
+        lc.llama_model_free(model)
+    # Its recorded log-probs against the float32 trainer's of the same tokens (each row up to its end token).
+    kept = [response[: next((i + 1 for i, t in enumerate(response) if lc.llama_vocab_is_eog(vocabulary, t)),
+                            len(response))] for response in responses]
+    with torch.no_grad():
+        ours = torch.cat(policy.token_logprobs(prompts, kept))
+    theirs = torch.tensor([logp for row, response in zip(logprobs, kept, strict=True) for logp in row[:len(response)]])
+    return {"prefill_s": prefill_s, "generate_s": generate_s, "new_tokens": new_tokens,
+            "logprob_mismatch": float((theirs - ours).abs().mean()), "version": getattr(lc, "__version__", "?")}
+
+
+def decode_rate(measured: dict) -> float:
+    """New tokens per second of a 32-token generation, its prefill left out."""
+    return measured["new_tokens"] / (measured["generate_s"] - measured["prefill_s"])
+
+
 def _response_logits(policy, prompt_ids, response_ids):  # type: ignore[no-untyped-def]
     """Teacher-forced float32 logits at every response position, one sequence at a time, (T, V) stacked."""
     import torch
@@ -269,6 +385,7 @@ def trl_step_s(policy, samples, steps: int) -> float | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 update prompts, 1 timed step, the loop after only")
+    parser.add_argument("--decoding", action="store_true", help="the probe, generation and llama.cpp only")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -279,6 +396,8 @@ def main() -> None:
             result = probe(args.threads)
         elif kind == "generation":
             result = generation(mode, args.threads)
+        elif kind == "llamacpp":
+            result = llamacpp(args.threads)
         else:
             result = update(mode, prompts, steps, args.threads)
         print(json.dumps(result))
@@ -293,7 +412,7 @@ def main() -> None:
 
     machine = child("probe")
     before, after = child("generation:float32"), child("generation:bfloat16")
-    updates = {mode: child(f"update:{mode}") for mode in MODES}
+    llama = child("llamacpp")
     bounds = {
         "gen_new_tokens_per_s_bound": 8 * machine["mem_read_gb_per_s"] * 1e9 / (2 * PARAMETERS),
         "gen_prompt_tokens_per_s_bound": machine["matmul_gflops_bf16"] * 1e9 / (2 * PARAMETERS),
@@ -301,19 +420,36 @@ def main() -> None:
     }
     lines: dict[str, object] = dict(machine)
     for suffix, gen in (("_before", before), ("", after)):
-        lines[f"gen_new_tokens_per_s{suffix}"] = gen["new_tokens"] / (gen["generate_s"] - gen["prefill_s"])
+        lines[f"gen_new_tokens_per_s{suffix}"] = decode_rate(gen)
         lines[f"gen_prompt_tokens_per_s{suffix}"] = gen["prompt_tokens"] / gen["prefill_s"]
         lines[f"turn_prompt_tokens_run_share{suffix}"] = gen["turn_prompt_tokens_run_share"]
+    if "unavailable" in llama:
+        lines["llamacpp_new_tokens_per_s"] = f"unavailable: {llama['unavailable']}"
+    else:
+        theirs = decode_rate(llama)
+        lines["llamacpp_new_tokens_per_s"] = theirs
+        lines["llamacpp_prompt_tokens_per_s"] = after["prompt_tokens"] / llama["prefill_s"]
+        lines["llamacpp_over_ours"] = theirs / decode_rate(after)
+        lines["llamacpp_over_ours_before"] = theirs / decode_rate(before)
+        lines["llamacpp_logprob_mismatch"] = llama["logprob_mismatch"]
+        lines["llamacpp_version"] = llama["version"]
     lines["gen_decode_steps"] = after["decode_steps"]
     lines["logprob_mismatch"] = after["logprob_mismatch"]
     lines["logprob_mismatch_kl"] = after["logprob_mismatch_kl"]
     lines["logprob_mismatch_fp32"] = before["logprob_mismatch"]
+    lines["gen_new_tokens_per_s_share"] = decode_rate(after) / bounds["gen_new_tokens_per_s_bound"]
+    if args.decoding:
+        lines.update({"gen_new_tokens_per_s_bound": bounds["gen_new_tokens_per_s_bound"], "threads": args.threads})
+        for name, value in lines.items():
+            print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
+        return
+    updates = {mode: child(f"update:{mode}") for mode in MODES}
     full, lora, lora_bf16 = (updates[mode] for mode in MODES)
     lines["step_tokens_per_s_full"] = full["step_tokens"] / full["step_s"]
     lines["step_tokens_per_s_lora_before"] = lora["step_tokens"] / lora["step_s"]
     lines["step_tokens_per_s_lora"] = lora_bf16["step_tokens"] / lora_bf16["step_s"]
     lines.update(bounds)
-    for name in ("gen_new_tokens_per_s", "gen_prompt_tokens_per_s", "step_tokens_per_s_lora"):
+    for name in ("gen_prompt_tokens_per_s", "step_tokens_per_s_lora"):
         lines[f"{name}_share"] = float(lines[name]) / bounds[f"{name}_bound"]  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory(prefix="smol-loop-") as scratch:
         lines["loop_step_s"] = loop_step_s("bfloat16", Path(scratch) / "after")
