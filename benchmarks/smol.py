@@ -37,7 +37,7 @@ teacher-forced over the same sequences, mean per response token; `logprob_mismat
 with float32 on both sides (float rounding only).
 
 `llamacpp_new_tokens_per_s`: what a user might run instead, side by side: llama.cpp (`llama-cpp-python`, built
-from source by `pip install llama-cpp-python`; `unavailable` without it) decoding the preset's own GGUF file, its
+from source by `pip install -e ".[llamacpp]"`; `unavailable` without it) decoding the preset's own GGUF file, its
 Q4_1 weights as shipped, on the same 8 prompt token ids, batched as 8 sequences of one context, greedy, timed the same
 way; `llamacpp_over_ours` is its ratio to `gen_new_tokens_per_s` (`_before`: to float32 generation, what the
 SmolLM2 configs' `auto` picks on a CPU without AVX-512 BF16). `llamacpp_logprob_mismatch`: its log-probs of
@@ -174,7 +174,7 @@ def llamacpp(threads: int) -> dict:
     try:
         import llama_cpp as lc
     except ImportError as exc:
-        return {"unavailable": f"{exc} (pip install llama-cpp-python builds it from source)"}
+        return {"unavailable": f"{exc} (pip install -e '.[llamacpp]' builds it from source)"}
     from pipeline.models.presets import preset
     from pipeline.models.settings import ModelSettings
     from pipeline.rl.trainer import initial_policy
@@ -250,13 +250,14 @@ def llamacpp(threads: int) -> dict:
         started = time.perf_counter()
         new_tokens = generate(32)
         generate_s = time.perf_counter() - started
+        # Each row up to its end token (the vocabulary belongs to the model, freed below).
+        kept = [response[: next((i + 1 for i, t in enumerate(response) if lc.llama_vocab_is_eog(vocabulary, t)),
+                                len(response))] for response in responses]
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(context)
         lc.llama_model_free(model)
-    # Its recorded log-probs against the float32 trainer's of the same tokens (each row up to its end token).
-    kept = [response[: next((i + 1 for i, t in enumerate(response) if lc.llama_vocab_is_eog(vocabulary, t)),
-                            len(response))] for response in responses]
+    # Its recorded log-probs against the float32 trainer's of the same tokens.
     with torch.no_grad():
         ours = torch.cat(policy.token_logprobs(prompts, kept))
     theirs = torch.tensor([logp for row, response in zip(logprobs, kept, strict=True) for logp in row[:len(response)]])
