@@ -29,7 +29,8 @@ Every part runs even when an earlier one failed. Prints `name=value` lines:
   into the bfloat16 copy a worker holds (`load_for_generation`, what `load_published` runs): the same tensors
   (data pointers) as before, holding the trainer's weights rounded to bfloat16;
 - `handoff_lora_s`, `handoff_lora_in_place`, `handoff_lora_matches`: a rank-8 LoRA version on that base, loaded
-  onto the float32 policy under the worker's copy (its adapter set in place; the merged bfloat16 copy is made anew);
+  onto the float32 policy under the worker's copy (its adapter set in place, then merged into the bfloat16 copy
+  the worker holds, in place too);
 - `<part>_ok` for generation, train and handoff (with `<part>_error` when not), `peak_memory_gib` (CUDA),
   `total_s`, and `gpu_check_ok`. The exit status is 1 when a part failed.
 """
@@ -215,7 +216,7 @@ def check_handoff(plan: Plan, step: TrainerStep, samples: list[Sample], root: Pa
     lora_step.run(samples, "grpo")
     first = save_checkpoint(root / "v000002", lora_step.policy, base=full)
     worker = load_for_generation(first.path, first.manifest_sha256, plan.device, precision="bfloat16")
-    beneath, pointers = worker.full_precision, _pointers(worker.full_precision)
+    beneath, pointers, copy_pointers = worker.full_precision, _pointers(worker.full_precision), _pointers(worker)
     lora_step.run(samples, "grpo")
     _sync(plan.device)
     started = time.perf_counter()
@@ -224,7 +225,8 @@ def check_handoff(plan: Plan, step: TrainerStep, samples: list[Sample], root: Pa
     _sync(plan.device)
     out["handoff_lora_s"] = time.perf_counter() - started
     out["handoff_lora_in_place"] = (beneath is not None and loaded.full_precision is beneath
-                                    and _pointers(beneath) == pointers)
+                                    and _pointers(beneath) == pointers
+                                    and loaded is worker and _pointers(loaded) == copy_pointers)
     out["handoff_lora_matches"] = _matches(loaded, lora_step.policy)
     if not all(out[f"handoff_{kind}_{what}"] for kind in ("full", "lora") for what in ("in_place", "matches")):
         raise RuntimeError("a version was not handed over in place, or not with the trainer's weights")

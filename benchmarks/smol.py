@@ -3,7 +3,7 @@ machine's own limits measured by a probe in the same run.
 
     .venv/bin/python benchmarks/smol.py --quick    # 4 update prompts, 1 timed step per mode, one loop run (~15 min)
     .venv/bin/python benchmarks/smol.py            # 8 update prompts, 2 timed steps, the loop before and after too
-    .venv/bin/python benchmarks/smol.py --decoding # the probe, generation before and after, llama.cpp (~3 min)
+    .venv/bin/python benchmarks/smol.py --decoding # the probe, generation before and after, llama.cpp (~4 min)
 
 Each measurement runs in its own process (its peak memory is its own), on `--threads` threads (2):
 - `probe`: the machine. `mem_read_gb_per_s` (summing a 1 GiB float32 tensor), `matmul_gflops_fp32` and
@@ -40,10 +40,24 @@ with float32 on both sides (float rounding only).
 from source by `pip install -e ".[llamacpp]"`; `unavailable` without it) decoding the preset's own GGUF file, its
 Q4_1 weights as shipped, on the same 8 prompt token ids, batched as 8 sequences of one context, greedy, timed the same
 way; `llamacpp_over_ours` is its ratio to `gen_new_tokens_per_s` (`_before`: to float32 generation, what the
-SmolLM2 configs' `auto` picks on a CPU without AVX-512 BF16). `llamacpp_logprob_mismatch`: its log-probs of
+SmolLM2 configs' `auto` picked on a CPU without AVX-512 BF16 before packing; `_packed`: to packed float32, what
+it picks now). `llamacpp_logprob_mismatch`: its log-probs of
 the tokens it chose against the float32 trainer's recomputation (mean absolute difference per token; the trainer's
 weights are the same GGUF's, dequantized). Its arithmetic is 4-bit weights with 8-bit activations: every trained
 version would have to be quantized again for it, so what it samples is not the policy the trainer updates.
+
+`gen_packed_new_tokens_per_s`, `gen_packed_prompt_tokens_per_s`: float32 generation as a generating worker runs
+it on a CPU without AVX-512 BF16 (what `auto` picks there), from a copy whose linear layers oneDNN has packed
+(`pipeline.models.packed_linear`), sessions on; `gen_packed_speedup` is its decode rate over `_before`'s (float32,
+plain weights) and `gen_packed_logprob_mismatch` its recorded log-probs against the trainer's (float32 both).
+
+`gen_lora_new_tokens_per_s`: float32 decoding of a LoRA policy (rank 8, B drawn small so the adapter acts), as
+a generating worker now runs it, from a float32 copy with the adapter merged and its layers packed
+(`for_generation`); `_before`: through peft's adapter layers, as it ran before; both on the same 8 prompts,
+alternately, best of two; `gen_lora_speedup` is their ratio. `gen_lora_same_rows` (rows whose 32 sampled tokens
+agree) and `gen_lora_logprob_max_diff` (largest log-prob difference on those rows) compare the two;
+`lora_merge_copy_s` is making the merged copy, `lora_merge_in_place_s` writing a new adapter into it in place,
+packing included (what each later version costs a worker).
 
 `loop_step_s`: one `crl run configs/smol-minihack-room.yaml` step of one group of 8 MiniHack episodes (SmolLM2 actor
 and extractor, LoRA): the time between the actor's updates of steps 1 and 2 in a 3-step run (no evaluation, no
@@ -115,9 +129,10 @@ def probe(threads: int) -> dict:
     return {"mem_read_gb_per_s": read, "matmul_gflops_fp32": rates["fp32"], "matmul_gflops_bf16": rates["bf16"]}
 
 
-def generation(precision: str, threads: int) -> dict:
-    """Prefill and decode rates of one batch of 8 actor prompts, the session share of a second turn, and (bfloat16)
-    the log-prob mismatch against the trainer's recomputation."""
+def generation(precision: str, threads: int, packed: bool = False) -> dict:
+    """Prefill and decode rates of one batch of 8 actor prompts, the session share of a second turn, and the
+    log-prob mismatch against the trainer's recomputation. `packed`: float32 from the generation copy with packed
+    linear layers (`for_generation`'s default on a CPU); otherwise float32 from the trainer's own model."""
     import torch
 
     from pipeline.models.base import SamplingParams
@@ -126,7 +141,9 @@ def generation(precision: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     trainer_policy = initial_policy(ModelSettings(preset="smollm2-135m-instruct"))
-    policy = trainer_policy.for_generation(precision)
+    policy = trainer_policy.for_generation(precision, pack=packed)
+    if packed and policy is trainer_policy:
+        raise RuntimeError("this torch build does not pack linear layers (pipeline.models.packed_linear)")
     prompts = actor_prompts(8, policy)
     policy.generate(prompts[:2], SamplingParams(max_new_tokens=2), seeds=[0, 1])  # warm-up
     started = time.perf_counter()
@@ -139,7 +156,7 @@ def generation(precision: str, threads: int) -> dict:
     result = {"prompt_tokens": sum(len(p) for p in prompts), "prefill_s": prefill_s, "generate_s": generate_s,
               "new_tokens": new_tokens, "decode_steps": max(len(g.token_ids) for g in generations)}
     # A second turn: what a session saves. Turn 1 then turn 2 (turn 1's prompt, its answer, a new observation).
-    sessions = list(range(len(prompts))) if precision == "bfloat16" else None  # the before prefilled every turn
+    sessions = list(range(len(prompts))) if precision == "bfloat16" or packed else None  # the before: every turn whole
     first = policy.generate(prompts, SamplingParams(max_new_tokens=6, stop=("\n",)), seeds=range(len(prompts)),
                             sessions=sessions)
     follow_up = policy.encode("\nObservation: you moved. Action:")
@@ -161,6 +178,60 @@ def generation(precision: str, threads: int) -> dict:
     result["logprob_mismatch"] = float((recorded - recomputed).abs().mean())
     result["logprob_mismatch_kl"] = float((rollout_logp.exp() * (rollout_logp - trainer_logp)).sum(-1).mean())
     return result
+
+
+def lora_generation(threads: int) -> dict:
+    """Float32 decoding of a LoRA policy (rank 8 on SmolLM2's projections, its B matrices drawn small so the
+    adapter changes the outputs) through peft's adapter layers (before) and from the float32 copy with the adapter
+    merged (after), alternately twice each on the same 8 prompts, best of two; the copy's tokens and log-probs
+    against the adapter's, and how long making the copy and writing a new adapter into it in place take."""
+    import torch
+
+    from pipeline.models.base import SamplingParams
+    from pipeline.models.lora import with_lora
+    from pipeline.models.settings import LoraSettings, ModelSettings
+    from pipeline.rl.trainer import initial_policy
+
+    torch.set_num_threads(threads)
+    adapted = with_lora(initial_policy(ModelSettings(preset="smollm2-135m-instruct")),
+                        LoraSettings(rank=8, alpha=16, seed=0))
+    draws = torch.Generator().manual_seed(0)
+
+    def new_adapter() -> None:
+        with torch.no_grad():
+            for name, tensor in adapted.model.named_parameters():
+                if "lora_B" in name:
+                    tensor.copy_(torch.randn(tensor.shape, generator=draws) * 0.02)
+
+    new_adapter()
+    started = time.perf_counter()
+    merged = adapted.for_generation("float32")
+    copy_s = time.perf_counter() - started
+    new_adapter()
+    started = time.perf_counter()
+    if adapted.for_generation("float32", reuse=merged) is not merged:
+        raise RuntimeError("the new adapter was not written into the merged copy in place")
+    in_place_s = time.perf_counter() - started
+    prompts = actor_prompts(8, adapted)
+    rates: dict[str, list[float]] = {"before": [], "after": []}
+    outputs = {}
+    for policy in (adapted, merged):
+        policy.generate(prompts[:2], SamplingParams(max_new_tokens=2), seeds=[0, 1])  # warm-up
+    for _ in range(2):
+        for name, policy in (("before", adapted), ("after", merged)):
+            started = time.perf_counter()
+            policy.generate(prompts, SamplingParams(max_new_tokens=1), seeds=range(len(prompts)))
+            prefill_s = time.perf_counter() - started
+            started = time.perf_counter()
+            outputs[name] = policy.generate(prompts, SamplingParams(max_new_tokens=32), seeds=range(len(prompts)))
+            generate_s = time.perf_counter() - started
+            rates[name].append(decode_rate({"new_tokens": sum(len(g.token_ids) for g in outputs[name]),
+                                            "generate_s": generate_s, "prefill_s": prefill_s}))
+    same = [a.token_ids == b.token_ids for a, b in zip(outputs["before"], outputs["after"], strict=True)]
+    diffs = [abs(x - y) for a, b in zip(outputs["before"], outputs["after"], strict=True) if a.token_ids == b.token_ids
+             for x, y in zip(a.logprobs, b.logprobs, strict=True)]
+    return {"before": max(rates["before"]), "after": max(rates["after"]), "same_rows": sum(same),
+            "logprob_max_diff": max(diffs, default=float("nan")), "copy_s": copy_s, "in_place_s": in_place_s}
 
 
 def llamacpp(threads: int) -> dict:
@@ -263,6 +334,13 @@ def llamacpp(threads: int) -> dict:
     theirs = torch.tensor([logp for row, response in zip(logprobs, kept, strict=True) for logp in row[:len(response)]])
     return {"prefill_s": prefill_s, "generate_s": generate_s, "new_tokens": new_tokens,
             "logprob_mismatch": float((theirs - ours).abs().mean()), "version": getattr(lc, "__version__", "?")}
+
+
+def _line(name: str, value: object) -> str:
+    """`name=value`, a float to 3 decimals, or to 3 significant digits below 0.01 (log-prob differences)."""
+    if isinstance(value, float):
+        return f"{name}={value:.3f}" if abs(value) >= 0.01 or value == 0 else f"{name}={value:.3g}"
+    return f"{name}={value}"
 
 
 def decode_rate(measured: dict) -> float:
@@ -396,9 +474,11 @@ def main() -> None:
         if kind == "probe":
             result = probe(args.threads)
         elif kind == "generation":
-            result = generation(mode, args.threads)
+            result = generation(mode.removesuffix("-packed"), args.threads, packed=mode.endswith("-packed"))
         elif kind == "llamacpp":
             result = llamacpp(args.threads)
+        elif kind == "lora_generation":
+            result = lora_generation(args.threads)
         else:
             result = update(mode, prompts, steps, args.threads)
         print(json.dumps(result))
@@ -413,7 +493,9 @@ def main() -> None:
 
     machine = child("probe")
     before, after = child("generation:float32"), child("generation:bfloat16")
+    packed = child("generation:float32-packed")
     llama = child("llamacpp")
+    adapter = child("lora_generation")
     bounds = {
         "gen_new_tokens_per_s_bound": 8 * machine["mem_read_gb_per_s"] * 1e9 / (2 * PARAMETERS),
         "gen_prompt_tokens_per_s_bound": machine["matmul_gflops_bf16"] * 1e9 / (2 * PARAMETERS),
@@ -424,6 +506,10 @@ def main() -> None:
         lines[f"gen_new_tokens_per_s{suffix}"] = decode_rate(gen)
         lines[f"gen_prompt_tokens_per_s{suffix}"] = gen["prompt_tokens"] / gen["prefill_s"]
         lines[f"turn_prompt_tokens_run_share{suffix}"] = gen["turn_prompt_tokens_run_share"]
+    lines["gen_packed_new_tokens_per_s"] = decode_rate(packed)
+    lines["gen_packed_prompt_tokens_per_s"] = packed["prompt_tokens"] / packed["prefill_s"]
+    lines["gen_packed_speedup"] = decode_rate(packed) / decode_rate(before)
+    lines["gen_packed_logprob_mismatch"] = packed["logprob_mismatch"]
     if "unavailable" in llama:
         lines["llamacpp_new_tokens_per_s"] = f"unavailable: {llama['unavailable']}"
     else:
@@ -432,8 +518,16 @@ def main() -> None:
         lines["llamacpp_prompt_tokens_per_s"] = after["prompt_tokens"] / llama["prefill_s"]
         lines["llamacpp_over_ours"] = theirs / decode_rate(after)
         lines["llamacpp_over_ours_before"] = theirs / decode_rate(before)
+        lines["llamacpp_over_ours_packed"] = theirs / decode_rate(packed)
         lines["llamacpp_logprob_mismatch"] = llama["logprob_mismatch"]
         lines["llamacpp_version"] = llama["version"]
+    lines["gen_lora_new_tokens_per_s_before"] = adapter["before"]
+    lines["gen_lora_new_tokens_per_s"] = adapter["after"]
+    lines["gen_lora_speedup"] = adapter["after"] / adapter["before"]
+    lines["gen_lora_same_rows"] = f"{adapter['same_rows']}/8"
+    lines["gen_lora_logprob_max_diff"] = adapter["logprob_max_diff"]
+    lines["lora_merge_copy_s"] = adapter["copy_s"]
+    lines["lora_merge_in_place_s"] = adapter["in_place_s"]
     lines["gen_decode_steps"] = after["decode_steps"]
     lines["logprob_mismatch"] = after["logprob_mismatch"]
     lines["logprob_mismatch_kl"] = after["logprob_mismatch_kl"]
@@ -442,7 +536,7 @@ def main() -> None:
     if args.decoding:
         lines.update({"gen_new_tokens_per_s_bound": bounds["gen_new_tokens_per_s_bound"], "threads": args.threads})
         for name, value in lines.items():
-            print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
+            print(_line(name, value))
         return
     updates = {mode: child(f"update:{mode}") for mode in MODES}
     full, lora, lora_bf16 = (updates[mode] for mode in MODES)
@@ -468,7 +562,7 @@ def main() -> None:
         "threads": args.threads,
     })
     for name, value in lines.items():
-        print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
+        print(_line(name, value))
 
 
 if __name__ == "__main__":

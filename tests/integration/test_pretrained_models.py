@@ -78,3 +78,52 @@ def test_a_differently_shaped_local_model_loads_through_model_path(tmp_path):
     rescored = policy.token_logprobs([g.prompt_token_ids for g in sampled], [g.token_ids for g in sampled])
     for generation, logprobs in zip(sampled, rescored, strict=True):
         torch.testing.assert_close(logprobs, torch.tensor(generation.logprobs), atol=1e-5, rtol=0)
+
+
+def test_smollm2s_generation_copies_packed_and_merged_sample_what_the_policy_samples(smollm2):
+    """What a generating worker holds for SmolLM2 in float32 on a CPU: every linear layer packed for oneDNN, and for
+    a LoRA policy the adapter merged in first; each samples the policy's tokens, its log-probs within float rounding,
+    and a new adapter is written into the same layers."""
+    from pipeline.models.lora import with_lora
+    from pipeline.models.packed_linear import PackedLinear, packing_available
+    from pipeline.models.settings import LoraSettings
+
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear layers (x86-64 builds have them)")
+    tokenizer = smollm2.tokenizer
+    prompts = [list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"]),
+               smollm2.encode("Goal: reach the staircase down.\nObservation: a dark corridor.\nAction:")]
+
+    def alike(ours, theirs) -> None:
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)
+
+    packed = smollm2.for_generation("float32")
+    layers = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 30 * 7 + 1 and not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    greedy, sampled = SamplingParams(max_new_tokens=8, temperature=0.0), SamplingParams(max_new_tokens=12)
+    for sampling in (greedy, sampled):
+        alike(packed.generate(prompts, sampling, seeds=rows(5, 2)),
+              smollm2.generate(prompts, sampling, seeds=rows(5, 2)))
+
+    adapted = with_lora(initial_policy(ModelSettings(preset="smollm2-135m-instruct")),
+                        LoraSettings(rank=8, alpha=16, seed=0))
+    generator = torch.Generator().manual_seed(0)
+
+    def new_adapter() -> None:
+        with torch.no_grad():
+            for name, tensor in adapted.model.named_parameters():
+                if "lora_B" in name:
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+
+    new_adapter()
+    merged = adapted.for_generation("float32")
+    alike(merged.generate(prompts, sampled, seeds=rows(6, 2)), adapted.generate(prompts, sampled, seeds=rows(6, 2)))
+    new_adapter()
+    q_proj = merged.model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert adapted.for_generation("float32", reuse=merged) is merged
+    assert merged.model.get_submodule("model.layers.0.self_attn.q_proj") is q_proj
+    unpacked = adapted.for_generation("float32", pack=False)
+    assert torch.equal(q_proj.unpacked_weight(), unpacked.model.get_submodule("model.layers.0.self_attn.q_proj").weight)
+    alike(merged.generate(prompts, sampled, seeds=rows(7, 2)), adapted.generate(prompts, sampled, seeds=rows(7, 2)))

@@ -100,8 +100,9 @@ def test_the_follower_sets_a_newer_adapter_in_place_and_leaves_the_optimizer_sta
     picked_up = load_published(published[2], "transformers", current=held)
     assert picked_up is held
     assert {name: tensor.data_ptr() for name, tensor in held.model.state_dict().items()} == pointers
-    assert weight_hash(held.model) == json.loads((version_dir(_root(run_dir), 2) / "manifest.json").read_text())[
-        "weight_hash"]
+    assert held.full_precision is not None  # the merged copy's source, which the version's hash is over
+    manifest = json.loads((version_dir(_root(run_dir), 2) / "manifest.json").read_text())
+    assert weight_hash(held.full_precision.model) == manifest["weight_hash"]
     # A generating worker needs no optimiser state: version 2 without it still loads for the follower.
     copy = tmp_path / "actor"
     for version in (0, 2):
@@ -234,11 +235,52 @@ def test_a_bfloat16_generation_copy_merges_the_adapter_and_the_next_version_load
     for a, b in zip(ours, theirs, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
         torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), atol=0.1, rtol=0)
+    source, pointers = held.full_precision, _pointers(held)
     newer = load_published(published[2], "transformers", precision="bfloat16", current=held)
-    assert newer.full_precision is held.full_precision  # the adapter went onto the float32 source in place
+    assert newer.full_precision is source  # the adapter went onto the float32 source in place
+    assert newer is held and _pointers(newer) == pointers  # and the merged weights into the copy held
     assert weight_hash(newer.full_precision.model) == json.loads(
         (version_dir(root, 2) / "manifest.json").read_text())["weight_hash"]
-    assert load_published(published[2], "transformers", current=held).full_precision is None  # float32: itself
+    _assert_same_tensors(newer, source.for_generation("bfloat16"))  # what a new copy would hold, bit for bit
+    as_float32 = load_published(published[2], "transformers", current=held)  # a float32 copy, merged too
+    assert as_float32.full_precision is source and not is_lora(as_float32.model)
+    assert {p.dtype for p in as_float32.model.parameters()} == {torch.float32}
+
+
+def test_a_float32_generation_copy_merges_the_adapter_and_takes_later_versions_in_place(lora_run):
+    from pipeline.models.base import SamplingParams
+    from pipeline.models.policy_follower import load_published
+    from schemas.training import PolicyPublished
+
+    run_dir, events = lora_run
+    published = {e.version: e for e in events if isinstance(e, PolicyPublished)}
+    held = load_published(published[1], "transformers")
+    source, pointers = held.full_precision, _pointers(held)
+    assert source is not None and is_lora(source.model) and not is_lora(held.model)
+    assert {p.dtype for p in held.model.parameters()} == {torch.float32}
+    newer = load_published(published[2], "transformers", current=held)
+    assert newer is held and newer.full_precision is source and _pointers(newer) == pointers
+    assert weight_hash(source.model) == json.loads(
+        (version_dir(_root(run_dir), 2) / "manifest.json").read_text())["weight_hash"]
+    _assert_same_tensors(newer, source.for_generation("float32"))
+    # The merged copy samples what the adapter does: the same tokens, log-probs within float32 rounding.
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    for sampling in (SamplingParams(max_new_tokens=6, temperature=0.0), SamplingParams(max_new_tokens=6)):
+        ours = newer.generate(prompts, sampling, seeds=rows(0, len(prompts)))
+        theirs = source.generate(prompts, sampling, seeds=rows(0, len(prompts)))
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def _pointers(policy) -> dict[str, int]:
+    return {name: tensor.data_ptr() for name, tensor in policy.model.state_dict().items()}
+
+
+def _assert_same_tensors(policy, other) -> None:
+    ours, theirs = policy.model.state_dict(), other.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def test_bfloat16_autocast_updates_keep_float32_weights_and_replay_bit_for_bit(tmp_path, record_actor_run, lora_run):
