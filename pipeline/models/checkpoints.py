@@ -438,8 +438,9 @@ def load_for_generation(directory: Path, expected_sha256: str, device: str = "cp
                         micro_batch_size: int = 8) -> TransformersPolicy:
     """The version in `directory`, verified (`load_checkpoint` without the optimiser state), as a generating worker
     samples from it at `precision` (`TransformersPolicy.for_generation`): what `load_published` does for the
-    transformers backend. `current`, the policy the worker holds (or, for a bfloat16 copy, the float32 policy it was
-    made from), gets the new weights in place whenever `load_checkpoint(reuse=...)` can, and its bfloat16 copy too."""
+    transformers backend. `current`, the policy the worker holds (or, for a generation copy, the float32 policy it was
+    made from), gets the new weights in place whenever `load_checkpoint(reuse=...)` can, and its generation copy
+    too."""
     reuse = current.full_precision if current is not None and current.full_precision is not None else current
     loaded = load_checkpoint(directory, expected_sha256=expected_sha256, device=device, reuse=reuse,
                              optimizer=False).policy

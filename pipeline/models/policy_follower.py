@@ -38,13 +38,14 @@ def load_published(event: PolicyPublished, backend: str, device: str = "cpu", *,
                    micro_batch_size: int = 8, seed: int = 0, current: PolicyModel | None = None,
                    precision: str = "float32") -> PolicyModel:
     """The policy of `event`, after its checkpoint's sha256 checks out, to generate at `precision` (transformers:
-    float32, or a bfloat16 copy, `TransformersPolicy.for_generation`).
+    the generation copy `TransformersPolicy.for_generation` makes: bfloat16, or float32 with packed layers, a LoRA
+    adapter merged in; or the float32 policy itself where no copy is made).
 
     What `current` (the policy the worker holds) already has is reused, in place:
-    - a LoRA version on the base `current` holds (or the float32 policy a bfloat16 `current` was made from) gets its
-      adapter set, the base is not loaded again;
+    - a LoRA version on the base `current` holds (or the float32 policy a generation copy `current` was made from)
+      gets its adapter set, the base is not loaded again, and the merged weights are written into the copy;
     - a full version of the same architecture (the same config and tokenizer files) is copied into `current`'s
-      parameters, and into its bfloat16 copy's, once the new weights' hash has checked out; no model is built.
+      parameters, and into its generation copy's, once the new weights' hash has checked out; no model is built.
     A refused version (`CheckpointError`) leaves `current` as it was. The vllm backend hands a full version to the
     running engine when its architecture is the one served (`VllmPolicy.load_version`)."""
     path = checkpoint_path(event.checkpoint_uri)

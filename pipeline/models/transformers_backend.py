@@ -217,8 +217,8 @@ class TransformersPolicy(PolicyModel):
         if precision == "float32" and not lora and not packed:
             return self
         dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-        if reuse is not None and reuse.full_precision is self and _write_generation_weights(self.model, reuse.model,
-                                                                                             dtype):
+        if (reuse is not None and reuse.full_precision is self and _is_packed(reuse.model) == packed
+                and _write_generation_weights(self.model, reuse.model, dtype)):
             reuse.end_sessions()
             reuse.base_checkpoint, reuse.adapter_config = self.base_checkpoint, self.adapter_config
             return reuse
@@ -477,6 +477,12 @@ class TransformersPolicy(PolicyModel):
             detached = logits.detach()
             spread = normaliser.detach() - (torch.softmax(detached, dim=-1) * detached).sum(-1)  # (B, R)
         return rows, [spread[i, : len(response)] for i, response in enumerate(responses)]
+
+
+def _is_packed(model: Any) -> bool:
+    from pipeline.models.packed_linear import PackedLinear
+
+    return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
 def _write_generation_weights(source: Any, target: Any, dtype: torch.dtype) -> bool:

@@ -124,7 +124,8 @@ def test_a_lora_copy_is_merged_then_packed_and_a_new_adapter_is_written_in_place
                           adapted.generate(PROMPTS, sampling, seeds=rows(2)))
     new_adapter()
     assert adapted.for_generation("float32", reuse=copy) is copy
-    merged = adapted.for_generation("float32", pack=False)  # peft's own merge, unpacked
+    merged = adapted.for_generation("float32", pack=False, reuse=copy)  # peft's own merge, unpacked: a new copy
+    assert merged is not copy and _linears(merged) == (2 * 7 + 1, 0)
     for name, layer in copy.model.named_modules():
         if isinstance(layer, PackedLinear):
             assert torch.equal(layer.unpacked_weight(), merged.model.get_submodule(name).weight)
