@@ -27,8 +27,9 @@ generated records, valid and broken.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
@@ -40,15 +41,19 @@ from schemas.experiences import MAX_EXPERIENCE_CHARS
 _Int64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _Version = Annotated[int, msgspec.Meta(ge=1)]
 _Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_EXPERIENCE_CHARS)]
-_MAX_ID = 256
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+"""An id's length, checked by msgspec as it decodes; its characters are checked after (`_ids_valid`)."""
+_Time = Annotated[datetime, msgspec.Meta(tz=True)]
 
 
-class ProducerRecord(msgspec.Struct, forbid_unknown_fields=True):
-    worker: str
-    instance: str
+# gc=False on every record: they hold strings, numbers, bytes, times and records of their own kinds, never a
+# reference cycle, so the cyclic collector need not track the millions a replay makes.
+class ProducerRecord(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    worker: _Id
+    instance: _Id
 
 
-class KeyRecord(msgspec.Struct, forbid_unknown_fields=True):
+class KeyRecord(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An op's key vector: `EmbeddingVector`'s fields, its components as the bytes of their base64."""
 
     model: Annotated[str, msgspec.Meta(min_length=1)]
@@ -60,16 +65,16 @@ class KeyRecord(msgspec.Struct, forbid_unknown_fields=True):
         return np.frombuffer(self.data, dtype="<f2")
 
 
-class SourceRecord(msgspec.Struct, forbid_unknown_fields=True):
-    experience_id: str
+class SourceRecord(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    experience_id: _Id
     expected_version: _Version
 
 
-class _Envelope(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind"):
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True, gc=False, tag_field="kind"):
     schema_version: Literal[1]
     event_id: uuid.UUID
-    run_id: str
-    occurred_at: datetime
+    run_id: _Id
+    occurred_at: _Time
     producer: ProducerRecord
 
 
@@ -77,41 +82,41 @@ class AddedRecord(_Envelope, tag="ExperienceAdded"):
     """`ExperienceAdded`, as `read_op` returns it."""
 
     kind: ClassVar[str] = "ExperienceAdded"
-    op_id: str
-    experience_id: str
-    task_family: str
+    op_id: _Id
+    experience_id: _Id
+    task_family: _Id
     text: _Text
     key: KeyRecord
-    generation_id: str
+    generation_id: _Id
     extractor_version: _Int64
-    source_trajectory_ids: Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
+    source_trajectory_ids: Annotated[tuple[_Id, ...], msgspec.Meta(min_length=1)]
 
 
 class RefinedRecord(_Envelope, tag="ExperienceRefined"):
     """`ExperienceRefined`, as `read_op` returns it."""
 
     kind: ClassVar[str] = "ExperienceRefined"
-    op_id: str
-    experience_id: str
+    op_id: _Id
+    experience_id: _Id
     expected_version: _Version
     text: _Text
     key: KeyRecord | None
-    generation_id: str
+    generation_id: _Id
     extractor_version: _Int64
-    source_trajectory_ids: tuple[str, ...]
+    source_trajectory_ids: tuple[_Id, ...]
 
 
 class MergedRecord(_Envelope, tag="ExperienceMerged"):
     """`ExperienceMerged`, as `read_op` returns it."""
 
     kind: ClassVar[str] = "ExperienceMerged"
-    op_id: str
-    experience_id: str
-    task_family: str
+    op_id: _Id
+    experience_id: _Id
+    task_family: _Id
     text: _Text
     key: KeyRecord
     sources: Annotated[tuple[SourceRecord, ...], msgspec.Meta(min_length=2)]
-    generation_id: str
+    generation_id: _Id
     extractor_version: _Int64
 
 
@@ -119,11 +124,11 @@ class RetiredRecord(_Envelope, tag="ExperienceRetired"):
     """`ExperienceRetired`, as `read_op` returns it."""
 
     kind: ClassVar[str] = "ExperienceRetired"
-    op_id: str
-    experience_id: str
+    op_id: _Id
+    experience_id: _Id
     expected_version: _Version
     reason: Literal["merge_discard", "capacity", "manual"]
-    generation_id: str | None
+    generation_id: _Id | None
     extractor_version: _Int64 | None
 
 
@@ -134,37 +139,48 @@ _DECODER = msgspec.json.Decoder(OpRecord)
 _ENCODER = msgspec.json.Encoder()
 
 
-def _ids_valid(ids: list[str]) -> bool:
-    """Every id non-empty, at most 256 characters, of printable ASCII and no space: then surely `Id` (no white space
+def _ids_valid(*ids: str) -> bool:
+    """Every id of printable ASCII and no space (msgspec checked their lengths): then surely `Id` (no white space
     at all). An id with other characters may still be one; `decode_op` decides those."""
     joined = "".join(ids)
-    return (joined.isascii() and joined.isprintable() and " " not in joined
-            and min(map(len, ids)) > 0 and max(map(len, ids)) <= _MAX_ID)
+    return joined.isascii() and joined.isprintable() and " " not in joined
 
 
 def _key_valid(key: KeyRecord) -> bool:
     return len(key.data) == 2 * key.dim and finite_float16s(key.data)
 
 
-def _valid(op: OpRecord) -> bool:
-    """The constraints of the op's schema that msgspec did not check (see the module's docstring)."""
-    if op.occurred_at.tzinfo is None:
-        return False
-    ids = [op.run_id, op.producer.worker, op.producer.instance, op.op_id, op.experience_id]
-    if isinstance(op, AddedRecord):
-        ids += [op.task_family, op.generation_id, *op.source_trajectory_ids]
-        return _ids_valid(ids) and _key_valid(op.key)
-    if isinstance(op, RefinedRecord):
-        ids += [op.generation_id, *op.source_trajectory_ids]
-        return _ids_valid(ids) and (op.key is None or _key_valid(op.key))
-    if isinstance(op, MergedRecord):
-        sources = [source.experience_id for source in op.sources]
-        ids += [op.task_family, op.generation_id, *sources]
-        return (len(set(sources)) == len(sources) and op.experience_id not in sources and _ids_valid(ids)
-                and _key_valid(op.key))
-    if op.generation_id is not None:
-        ids.append(op.generation_id)
-    return _ids_valid(ids)
+def _added_valid(op: AddedRecord) -> bool:
+    producer = op.producer
+    return (_ids_valid(op.run_id, producer.worker, producer.instance, op.op_id, op.experience_id, op.task_family,
+                       op.generation_id, *op.source_trajectory_ids)
+            and _key_valid(op.key))
+
+
+def _refined_valid(op: RefinedRecord) -> bool:
+    producer = op.producer
+    return (_ids_valid(op.run_id, producer.worker, producer.instance, op.op_id, op.experience_id, op.generation_id,
+                       *op.source_trajectory_ids)
+            and (op.key is None or _key_valid(op.key)))
+
+
+def _merged_valid(op: MergedRecord) -> bool:
+    producer, sources = op.producer, [source.experience_id for source in op.sources]
+    return (len(set(sources)) == len(sources) and op.experience_id not in sources
+            and _ids_valid(op.run_id, producer.worker, producer.instance, op.op_id, op.experience_id, op.task_family,
+                           op.generation_id, *sources)
+            and _key_valid(op.key))
+
+
+def _retired_valid(op: RetiredRecord) -> bool:
+    producer = op.producer
+    return _ids_valid(op.run_id, producer.worker, producer.instance, op.op_id, op.experience_id,
+                      op.generation_id or "")
+
+
+_VALID: dict[type, Callable[[Any], bool]] = {AddedRecord: _added_valid, RefinedRecord: _refined_valid,
+                                             MergedRecord: _merged_valid, RetiredRecord: _retired_valid}
+"""The constraints of each op kind's schema that msgspec does not check (see the module's docstring)."""
 
 
 def read_canonical(data: bytes) -> OpRecord | None:
@@ -176,4 +192,4 @@ def read_canonical(data: bytes) -> OpRecord | None:
         canonical = _ENCODER.encode(op) == data
     except (msgspec.DecodeError, msgspec.EncodeError, UnicodeError):
         return None
-    return op if canonical and _valid(op) else None
+    return op if canonical and _VALID[type(op)](op) else None

@@ -80,19 +80,19 @@ def read_op(data: bytes | None) -> BankOp:
     return decode_op(data)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Applied:
     op_id: str
     touched: tuple[str, ...]
     """Experience ids whose state changed (the new one first for adds and merges)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Duplicate:
     op_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Rejected:
     op_id: str
     reason: str
@@ -101,7 +101,7 @@ class Rejected:
 Outcome = Applied | Duplicate | Rejected
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ExperienceVersion:
     """One version of an experience's text and the op that wrote it."""
 
@@ -115,7 +115,7 @@ class ExperienceVersion:
     source_trajectory_ids: tuple[str, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class Experience:
     experience_id: str
     task_family: str
